@@ -1,0 +1,26 @@
+"""Errors raised by groundflow for bad input: each names the problem and what would be valid."""
+
+
+class GroundflowError(Exception):
+    """Base class of every error groundflow raises on purpose."""
+
+
+class UnknownEnvError(GroundflowError, KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidActionError(GroundflowError, ValueError):
+    pass
+
+
+class InvalidOptionError(GroundflowError, ValueError):
+    pass
+
+
+class MissingAssetsError(GroundflowError, RuntimeError):
+    pass
+
+
+class InstructionError(GroundflowError, ValueError):
+    pass
