@@ -1,1 +1,62 @@
-"""groundflow envs."""
+"""groundflow environments: one factory over ManiSkill3, Adroit, robosuite and world models.
+
+    import envs
+    env = envs.make("maniskill/PushCube-v1")            # state observations
+    env = envs.make("adroit/door", cameras=("vil_camera",))
+    obs, info = env.reset(seed=0)                        # {"state", "images"?, "instruction"}
+
+Every env speaks the observation convention of ``envs.base`` and reports ``info["success"]``.
+"""
+
+from envs.base import GroundflowEnv, check_action
+from envs.errors import (GroundflowError, InstructionError, InvalidActionError, InvalidOptionError,
+                         MissingAssetsError, UnknownEnvError)
+from envs.experts import Expert, make_expert
+from envs.registry import list_envs, make, register, spec
+from envs.suite import Suite, Task
+
+# ---- ManiSkill3 (SAPIEN, CPU backend) -------------------------------------------------------
+for _name in ("PushCube", "PullCube", "PickCube", "StackCube", "PegInsertionSide", "PlugCharger",
+              "LiftPegUpright"):
+    register(f"maniskill/{_name}-v1", "maniskill", "envs.maniskill:make_maniskill",
+             description=f"ManiSkill3 {_name}-v1", ms_id=f"{_name}-v1")
+register("maniskill/TabletopSuite-v1", "maniskill", "envs.maniskill:make_maniskill", kind="suite",
+         description="Three cubes, two goals: pick/push/stack instructions from one initial state",
+         ms_id="GroundflowTabletop-v1")
+register("maniskill/CollisionAvoidance-v1", "maniskill", "envs.maniskill:make_maniskill",
+         description="Reach a goal; evaluation puts obstacles on the straight path (demos never do)",
+         ms_id="GroundflowCollisionAvoidance-v1")
+
+# ---- Adroit (gymnasium-robotics on MuJoCo) --------------------------------------------------
+for _task in ("door", "hammer", "pen", "relocate"):
+    register(f"adroit/{_task}", "adroit", "envs.adroit:make_adroit",
+             description=f"Adroit hand {_task} (AdroitHand{_task.capitalize()}-v1)", task=_task)
+
+# ---- robosuite 1.5 (MuJoCo) -----------------------------------------------------------------
+for _name in ("Lift", "Stack", "PickPlaceCan", "Door", "NutAssemblySquare"):
+    register(f"robosuite/{_name}", "robosuite", "envs.robosuite_backend:make_robosuite",
+             description=f"robosuite 1.5 {_name} (Panda)", task=_name)
+register("robosuite/KitchenSuite", "robosuite", "envs.kitchen:make_kitchen_suite", kind="suite",
+         description="RoboCasa-style atomic kitchen tasks on robosuite: put X in/on Y from one scene")
+
+# ---- RoboCasa (needs its multi-GB kitchen assets) -------------------------------------------
+for _name in ("PnPCounterToCab", "OpenSingleDoor", "CloseDrawer", "TurnOnSinkFaucet"):
+    register(f"robocasa/{_name}", "robocasa", "envs.robocasa:make_robocasa",
+             description=f"RoboCasa {_name} (requires robocasa and its kitchen assets)", task=_name)
+
+SUITES = {"tabletop": "maniskill/TabletopSuite-v1", "kitchen": "robosuite/KitchenSuite"}
+
+
+def suite_env_id(name: str) -> str:
+    """Env id of a named suite (``tabletop``, ``kitchen``) or of a suite env id itself."""
+    if name in SUITES:
+        return SUITES[name]
+    if name in SUITES.values():
+        return name
+    raise UnknownEnvError(f"unknown suite {name!r}; valid suites: {', '.join(SUITES)}")
+
+
+__all__ = ["GroundflowEnv", "check_action", "make", "register", "spec", "list_envs", "Expert",
+           "make_expert", "Suite", "Task", "SUITES", "suite_env_id", "GroundflowError",
+           "InstructionError", "InvalidActionError", "InvalidOptionError", "MissingAssetsError",
+           "UnknownEnvError"]

@@ -1,0 +1,109 @@
+"""Collect expert demonstrations into the dataset format (``groundflow collect``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+import envs
+from envs.errors import InvalidOptionError
+from train.dataset import DatasetWriter, EpisodeBuffer
+
+
+@dataclass
+class CollectArgs:
+    """Run an env's privileged expert and write its episodes to a dataset."""
+
+    env: str | None = None
+    """env id (see `groundflow envs`); or use --suite"""
+    suite: str | None = None
+    """multi-instruction suite name (tabletop, kitchen); instructions are cycled per episode"""
+    episodes: int = 10
+    """number of episodes to write"""
+    out: Path = Path("data/demos.h5")
+    """output HDF5 file (written atomically)"""
+    seed: int = 0
+    """seed of the first attempt; attempt i uses seed + i"""
+    cameras: tuple[str, ...] = ()
+    """cameras to record (empty: state only)"""
+    image_size: int = 128
+    layout: str | None = None
+    """suites: random (instruction independent of layout) or correlated (layout predicts the task)"""
+    instructions: tuple[str, ...] = ()
+    """suites: restrict to these instructions (default: all)"""
+    noise: float = 0.0
+    """expert action noise (std, in the expert's units)"""
+    keep_failures: bool = False
+    """also write episodes where the expert failed"""
+    max_attempts: int | None = None
+    """give up after this many attempts (default 3x episodes)"""
+    overwrite: bool = False
+    env_options: dict[str, Any] = field(default_factory=dict)
+    """extra options passed to envs.make"""
+    progress: bool = True
+
+
+def collect(args: CollectArgs) -> dict[str, Any]:
+    if (args.env is None) == (args.suite is None):
+        raise InvalidOptionError("give exactly one of --env or --suite")
+    if args.episodes < 1:
+        raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
+    env_id = envs.suite_env_id(args.suite) if args.suite else args.env
+    options = dict(args.env_options)
+    if args.cameras:
+        options.update(cameras=tuple(args.cameras), image_size=args.image_size)
+    if args.layout is not None:
+        options["layout"] = args.layout
+    env = envs.make(env_id, **options)
+    suite = getattr(env, "suite", None)
+    tasks = [suite.task(i) for i in args.instructions] if (suite and args.instructions) else (
+        list(suite.tasks) if suite else [None])
+    expert = env.make_expert(noise=args.noise, seed=args.seed)
+    meta = {"source": "expert", "seed": args.seed, "noise": args.noise, "layout": args.layout,
+            "env_options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
+            "suite": suite.name if suite else None,
+            "instructions": [t.instruction for t in tasks] if suite else [env.instruction],
+            "control_mode": getattr(env, "control_mode", None)}
+    attempts_max = args.max_attempts or 3 * args.episodes
+    written = attempts = successes = steps = 0
+    t0 = time.time()
+    bar = tqdm(total=args.episodes, desc=f"collect {env_id}", disable=not args.progress, unit="ep")
+    with DatasetWriter(args.out, env_id, env.state_dim, env.action_space.shape[0], tuple(args.cameras),
+                       meta=meta, overwrite=args.overwrite) as writer:
+        while written < args.episodes and attempts < attempts_max:
+            task = tasks[written % len(tasks)]
+            seed = args.seed + attempts
+            attempts += 1
+            obs, info = env.reset(seed=seed, options={"task_id": task.task_id} if task else None)
+            expert.reset(env, obs)
+            buf = EpisodeBuffer(obs["instruction"], env.task_id, seed)
+            for _ in range(env.max_episode_steps):
+                sim = env.get_sim_state()
+                action = expert.act(obs)
+                nobs, reward, term, trunc, info = env.step(action)
+                buf.add(obs, action, reward, info["success"], sim)
+                obs = nobs
+                if info["success"] or trunc:
+                    break
+            steps += len(buf)
+            ep = buf.finish(obs, env.get_sim_state())
+            successes += ep.succeeded
+            if ep.succeeded or args.keep_failures:
+                writer.add(ep)
+                written += 1
+                bar.update(1)
+            bar.set_postfix(success=f"{successes}/{attempts}")
+        writer.f.attrs["meta"] = __import__("json").dumps({**meta, "attempts": attempts, "expert_successes": successes})
+    bar.close()
+    env.close()
+    dt = time.time() - t0
+    if written < args.episodes:
+        print(f"warning: wrote {written}/{args.episodes} episodes after {attempts} attempts (expert success "
+              f"{successes}/{attempts})")
+    return {"env_id": env_id, "episodes": written, "attempts": attempts, "expert_success_rate": successes / max(attempts, 1),
+            "steps": steps, "seconds": dt, "steps_per_s": steps / max(dt, 1e-9), "out": str(args.out)}
