@@ -8,9 +8,13 @@
 Every env speaks the observation convention of ``envs.base`` and reports ``info["success"]``.
 """
 
-from envs.base import GroundflowEnv, check_action
-from envs.errors import (GroundflowError, InstructionError, InvalidActionError, InvalidOptionError,
-                         MissingAssetsError, UnknownEnvError)
+from envs import platform_setup
+
+platform_setup.setup()  # before anything imports mujoco/sapien (EGL, Vulkan loader, asset dir)
+
+from envs.base import GroundflowEnv, check_action  # noqa: E402
+from envs.errors import (GroundflowError, InstructionError, InvalidActionError, InvalidOptionError,  # noqa: E402
+                         InvalidStateError, MissingAssetsError, UnknownEnvError)
 from envs.experts import Expert, make_expert
 from envs.registry import list_envs, make, register, spec
 from envs.suite import Suite, Task
@@ -58,5 +62,5 @@ def suite_env_id(name: str) -> str:
 
 __all__ = ["GroundflowEnv", "check_action", "make", "register", "spec", "list_envs", "Expert",
            "make_expert", "Suite", "Task", "SUITES", "suite_env_id", "GroundflowError",
-           "InstructionError", "InvalidActionError", "InvalidOptionError", "MissingAssetsError",
+           "InstructionError", "InvalidActionError", "InvalidStateError", "InvalidOptionError", "MissingAssetsError",
            "UnknownEnvError"]

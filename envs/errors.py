@@ -24,3 +24,7 @@ class MissingAssetsError(GroundflowError, RuntimeError):
 
 class InstructionError(GroundflowError, ValueError):
     pass
+
+
+class InvalidStateError(GroundflowError, ValueError):
+    """A simulator state or observation vector of the wrong size or with non-finite values."""

@@ -1,1 +1,35 @@
-"""groundflow policies."""
+"""groundflow policies: flow-matching and autoregressive VLAs behind one interface.
+
+    from policies import FlowMatchingVLA, PolicyConfig, load
+    policy = load("runs/flow/ckpt")          # no training code needed
+    chunk = policy.predict_action_chunk(obs)  # (H, A) in env units
+"""
+
+from __future__ import annotations
+
+import os
+
+from policies.autoregressive import AutoregressiveVLA
+from policies.base import Policy
+from policies.config import SIZES, PolicyConfig
+from policies.flow import FlowMatchingVLA
+from policies.model import PolicyMismatchError, VLAModel, load_weights, read_checkpoint_meta
+
+CLASSES = {"flow": FlowMatchingVLA, "ar": AutoregressiveVLA}
+
+
+def make_policy(config: PolicyConfig) -> VLAModel:
+    return CLASSES[config.kind](config)
+
+
+def load(directory: str | os.PathLike, device: str = "cpu") -> VLAModel:
+    """Load a checkpoint written by ``policy.save(dir)``."""
+    meta = read_checkpoint_meta(directory)
+    config = PolicyConfig.from_dict(meta["config"])
+    model = make_policy(config)
+    load_weights(model, directory, meta)
+    return model.to(device)
+
+
+__all__ = ["FlowMatchingVLA", "AutoregressiveVLA", "PolicyConfig", "SIZES", "Policy", "VLAModel",
+           "PolicyMismatchError", "make_policy", "load", "read_checkpoint_meta"]

@@ -1,0 +1,73 @@
+"""Policy configs: one dataclass for both families, with named sizes (tiny / base / large)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+SIZES = {  # d_model, n_layers, n_heads
+    "tiny": (64, 2, 4),
+    "small": (128, 3, 4),
+    "base": (256, 6, 8),
+    "large": (512, 12, 8),
+}
+
+
+@dataclass
+class PolicyConfig:
+    kind: Literal["flow", "ar"] = "flow"
+    state_dim: int = 0
+    action_dim: int = 0
+    horizon: int = 8
+    """action chunk length H"""
+    n_exec: int = 4
+    """steps of each chunk executed before re-planning (select_action)"""
+    size: str = "tiny"
+    d_model: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    dropout: float = 0.0
+    cameras: tuple[str, ...] = ()
+    image_size: int = 64
+    lang_dim: int = 384
+    lang_tokens: Literal["pooled", "tokens"] = "pooled"
+    """pooled: one sentence token; tokens: MiniLM token features (up to max_lang_tokens)"""
+    max_lang_tokens: int = 16
+    flow_steps: int = 10
+    """Euler steps when sampling a flow chunk"""
+    n_bins: int = 256
+    """AR: bins per action dimension"""
+    instruction_dropout: float = 0.0
+    """probability of replacing the instruction by the empty condition (enables CFG)"""
+    cfg_scale: float = 1.0
+    """classifier-free guidance scale at sampling (1 = plain conditional)"""
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("flow", "ar"):
+            raise ValueError(f"policy kind must be 'flow' or 'ar', got {self.kind!r}")
+        if self.size not in SIZES:
+            raise ValueError(f"unknown size {self.size!r}; valid sizes: {list(SIZES)}")
+        d, n, h = SIZES[self.size]
+        self.d_model = self.d_model or d
+        self.n_layers = self.n_layers or n
+        self.n_heads = self.n_heads or h
+        if self.horizon < 1 or not 1 <= self.n_exec <= self.horizon:
+            raise ValueError(f"need 1 <= n_exec <= horizon, got n_exec={self.n_exec}, horizon={self.horizon}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        self.cameras = tuple(self.cameras)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PolicyConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown policy config fields {sorted(unknown)}")
+        d = dict(d)
+        d["cameras"] = tuple(d.get("cameras", ()))
+        return cls(**d)

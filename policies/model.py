@@ -1,0 +1,208 @@
+"""Shared VLA trunk: language, image and state tokens into a transformer; the chunk cache.
+
+Both families derive from :class:`VLAModel`; they differ in the action tokens they append and
+in the head on top (velocity for flow matching, bin logits for autoregressive decoding).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from policies.config import PolicyConfig
+from policies.language import LanguageEncoder, check_instruction
+from policies.normalizer import Normalizer
+from policies.vision import ImageEncoder
+
+FORMAT = "groundflow-policy"
+NULL_INSTRUCTION = "<null>"
+"""Stands for "no instruction" (the learned null condition used by CFG and the PMI score)."""
+
+
+class PolicyMismatchError(ValueError):
+    """An observation, dataset or env that does not fit the policy (dims, cameras)."""
+
+
+def sinusoidal(t: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    ang = t.float()[:, None] * 1000.0 * freqs[None]
+    return torch.cat([ang.sin(), ang.cos()], -1)
+
+
+class VLAModel(nn.Module):
+    def __init__(self, config: PolicyConfig):
+        super().__init__()
+        if config.state_dim <= 0 or config.action_dim <= 0:
+            raise ValueError("PolicyConfig needs state_dim and action_dim (> 0)")
+        self.config = c = config
+        d = c.d_model
+        self.normalizer = Normalizer(c.state_dim, c.action_dim)
+        self.lang = LanguageEncoder(c.lang_tokens, c.max_lang_tokens)
+        self.lang_proj = nn.Linear(c.lang_dim, d)
+        self.null_lang = nn.Parameter(torch.zeros(1, 1, d))  # the "no instruction" condition
+        self.state_proj = nn.Sequential(nn.Linear(c.state_dim, d), nn.GELU(), nn.Linear(d, d))
+        self.vision = ImageEncoder(d, c.cameras) if c.cameras else None
+        self.type_emb = nn.Parameter(torch.randn(4, d) * 0.02)  # lang, image, state, action
+        self.layers = nn.ModuleList([
+            nn.TransformerEncoderLayer(d, c.n_heads, 4 * d, c.dropout, activation="gelu", batch_first=True,
+                                       norm_first=True) for _ in range(c.n_layers)])
+        self.final_norm = nn.LayerNorm(d)
+        self._queue: list[np.ndarray] = []
+
+    @property
+    def lang_placeholder(self) -> str:
+        """Any cached instruction: its features are replaced by the null token anyway."""
+        return next(iter(self.lang.cache), "do the task")
+
+    # ----- inputs ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.null_lang.device
+
+    def prefix(self, batch: dict[str, Any], drop_lang: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Conditioning tokens (B, P, d) and padding mask (B, P) from a batch of raw observations."""
+        dev = self.device
+        state = torch.as_tensor(batch["state"], dtype=torch.float32, device=dev)
+        if state.ndim != 2 or state.shape[1] != self.config.state_dim:
+            raise PolicyMismatchError(f"state has shape {tuple(state.shape)}, policy expects (B, {self.config.state_dim})")
+        B = state.shape[0]
+        instr = batch["instruction"]
+        instr = [instr] * B if isinstance(instr, str) else list(instr)
+        if len(instr) != B:
+            raise PolicyMismatchError(f"{len(instr)} instructions for a batch of {B}")
+        is_null = torch.tensor([s == NULL_INSTRUCTION for s in instr], dtype=torch.bool)
+        if is_null.any():
+            drop_lang = is_null if drop_lang is None else (torch.as_tensor(drop_lang).bool().cpu() | is_null)
+            instr = [self.lang_placeholder if s == NULL_INSTRUCTION else s for s in instr]
+        feats, lmask = self.lang(instr)
+        ltok = self.lang_proj(feats.to(dev)) + self.type_emb[0]
+        lmask = lmask.to(dev)
+        if drop_lang is not None and drop_lang.any():
+            drop = drop_lang.to(dev).bool()
+            ltok = torch.where(drop[:, None, None], self.null_lang.expand_as(ltok), ltok)
+            lmask = torch.where(drop[:, None], torch.arange(lmask.shape[1], device=dev)[None] > 0, lmask)
+        toks, masks = [ltok], [lmask]
+        if self.vision is not None:
+            images = batch.get("images")
+            if images is None:
+                raise PolicyMismatchError(f"policy needs cameras {list(self.config.cameras)}, batch has no images")
+            imgs = {k: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v, device=dev)
+                    for k, v in images.items()}
+            itok = self.vision(imgs) + self.type_emb[1]
+            toks.append(itok)
+            masks.append(torch.zeros(B, itok.shape[1], dtype=torch.bool, device=dev))
+        stok = self.state_proj(self.normalizer.state(state))[:, None] + self.type_emb[2]
+        toks.append(stok)
+        masks.append(torch.zeros(B, 1, dtype=torch.bool, device=dev))
+        return torch.cat(toks, 1), torch.cat(masks, 1)
+
+    def run(self, x: torch.Tensor, pad: torch.Tensor, attn_mask: torch.Tensor | None = None,
+            keep: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        hidden = []
+        for layer in self.layers:
+            x = layer(x, src_mask=attn_mask, src_key_padding_mask=pad)
+            if keep:
+                hidden.append(x)
+        return self.final_norm(x), hidden
+
+    def forward(self, batch: dict[str, Any]):
+        """``forward`` is the training loss (what DDP wraps)."""
+        return self.loss(batch)
+
+    # ----- observation handling -------------------------------------------------------------
+    def obs_to_batch(self, obs: dict[str, Any]) -> dict[str, Any]:
+        state = np.asarray(obs["state"], dtype=np.float32)
+        if state.shape != (self.config.state_dim,):
+            raise PolicyMismatchError(f"observation state has shape {state.shape}, policy expects ({self.config.state_dim},)")
+        if not np.all(np.isfinite(state)):
+            raise PolicyMismatchError("observation state contains NaN/inf")
+        batch: dict[str, Any] = {"state": state[None], "instruction": [check_instruction(obs.get("instruction", ""))]}
+        if self.config.cameras:
+            images = obs.get("images") or {}
+            missing = [c for c in self.config.cameras if c not in images]
+            if missing:
+                raise PolicyMismatchError(f"observation lacks cameras {missing} the policy needs")
+            batch["images"] = {c: np.asarray(images[c], np.uint8)[None] for c in self.config.cameras}
+        return batch
+
+    def predict_action_chunk(self, obs: dict[str, Any], **sampling: Any) -> np.ndarray:
+        """One (H, A) chunk in env units for one observation."""
+        self.eval()
+        with torch.no_grad():
+            a = self.sample_chunks(self.obs_to_batch(obs), **sampling)
+        return self.normalizer.unaction(a)[0].cpu().numpy().astype(np.float32)
+
+    def select_action(self, obs: dict[str, Any]) -> np.ndarray:
+        """Serve the cached chunk step by step; re-plan every ``n_exec`` steps."""
+        if not self._queue:
+            chunk = self.predict_action_chunk(obs)
+            self._queue = list(chunk[: self.config.n_exec])
+        return self._queue.pop(0)
+
+    def reset(self) -> None:
+        self._queue = []
+
+    def sample_chunks(self, batch: dict[str, Any], **sampling: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ----- statistics, persistence ----------------------------------------------------------
+    def fit_normalizer(self, states: np.ndarray, actions: np.ndarray) -> None:
+        self.normalizer.fit(states, actions)
+
+    def save(self, directory: str | os.PathLike, extra: dict | None = None) -> Path:
+        """safetensors weights + JSON config + normalization stats + cached instruction features.
+
+        Written to a temporary folder and renamed, so a crash never leaves a half checkpoint."""
+        from safetensors.torch import save_file
+        out = Path(directory)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"))
+        texts = sorted(self.lang.cache)
+        if texts:
+            save_file({f"i{i}": self.lang.cache[t].contiguous() for i, t in enumerate(texts)}, str(tmp / "language.safetensors"))
+        meta = {"format": FORMAT, "version": 1, "config": self.config.to_dict(), "instructions": texts,
+                "extra": extra or {}}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+        if out.exists():
+            old = out.with_name(out.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+        return out
+
+
+def read_checkpoint_meta(directory: str | os.PathLike) -> dict:
+    d = Path(directory)
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{d} is not a groundflow checkpoint (no config.json)")
+    meta = json.loads(cfg.read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{d}: not a groundflow policy checkpoint (format={meta.get('format')!r})")
+    return meta
+
+
+def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> VLAModel:
+    from safetensors.torch import load_file
+    d = Path(directory)
+    model.load_state_dict(load_file(str(d / "model.safetensors")), strict=True)
+    if (d / "language.safetensors").is_file():
+        tensors = load_file(str(d / "language.safetensors"))
+        model.lang.cache.update({t: tensors[f"i{i}"] for i, t in enumerate(meta["instructions"])})
+    model.eval()
+    return model

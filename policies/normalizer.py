@@ -1,0 +1,38 @@
+"""Per-dimension normalization with statistics stored in the checkpoint.
+
+Actions map to [-1, 1] by min/max (DESIGN.md convention); states are standardized.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class Normalizer(nn.Module):
+    def __init__(self, state_dim: int, action_dim: int):
+        super().__init__()
+        self.register_buffer("state_mean", torch.zeros(state_dim))
+        self.register_buffer("state_std", torch.ones(state_dim))
+        self.register_buffer("action_min", -torch.ones(action_dim))
+        self.register_buffer("action_max", torch.ones(action_dim))
+
+    def fit(self, states: np.ndarray, actions: np.ndarray) -> None:
+        s = torch.as_tensor(np.asarray(states), dtype=torch.float32)
+        a = torch.as_tensor(np.asarray(actions), dtype=torch.float32)
+        self.state_mean.copy_(s.mean(0))
+        self.state_std.copy_(s.std(0).clamp_min(1e-3))
+        lo, hi = a.min(0).values, a.max(0).values
+        pad = ((hi - lo) * 0.02).clamp_min(1e-3)  # keep constant dims (e.g. a held gripper) finite
+        self.action_min.copy_(lo - pad)
+        self.action_max.copy_(hi + pad)
+
+    def state(self, s: torch.Tensor) -> torch.Tensor:
+        return (s - self.state_mean) / self.state_std
+
+    def action(self, a: torch.Tensor) -> torch.Tensor:
+        return 2 * (a - self.action_min) / (self.action_max - self.action_min) - 1
+
+    def unaction(self, a: torch.Tensor) -> torch.Tensor:
+        return (a + 1) / 2 * (self.action_max - self.action_min) + self.action_min

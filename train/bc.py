@@ -1,0 +1,293 @@
+"""Behaviour cloning for both policy families (``groundflow train``), optionally with the CIG
+term (``--cig-weight``) and as a CIG continuation stage (``groundflow train cig --from CKPT``).
+
+AdamW + warmup/cosine schedule, EMA weights, gradient clipping, bf16 autocast on GPU, periodic
+evaluation, atomic resumable checkpoints, wandb (offline without a key), and data parallel
+training under ``torchrun`` (gloo on CPU, nccl on GPU). Each rank draws the randomness of the
+whole global batch from the same seeded generator and keeps its slice, so N processes follow
+the loss curve of one process with the same global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import policies
+from policies import PolicyConfig, make_policy
+from train.data import ChunkData
+from train.logger import Logger
+
+
+@dataclass
+class CIGOptions:
+    """Counterfactual Instruction Grounding (see train/cig.py)."""
+
+    weight: float = 0.0
+    """lambda: weight of L_CIG in L = L_BC + lambda * L_CIG (0: plain BC)"""
+    negatives: int = 3
+    """K counterfactual instructions per sample"""
+    tau: float | None = None
+    """score temperature: flow s(l) = -E/tau (default 0.1), AR s(l) = log p / tau (default 1)"""
+    draws: int = 4
+    """M shared (t, x0) draws per flow energy"""
+    variant: Literal["full", "detached", "bounded", "pmi"] = "detached"
+    """full: gradient through every energy; detached: counterfactual energies detached (DESIGN.md's
+    probe kept ~73% with it); bounded: hinge on the margin; pmi: log p(a|o,l*) - log p(a|o,null)"""
+    margin: float = 1.0
+    """bounded variant: hinge margin on s(l*) - s(l')"""
+    paraphrases_as_negatives: bool = False
+    """never True in practice: a paraphrase is not a counterfactual (kept for the ablation guard)"""
+
+
+@dataclass
+class TrainArgs:
+    """Train a VLA policy by behaviour cloning."""
+
+    data: tuple[Path, ...] = ()
+    """dataset files (HDF5, `groundflow collect`)"""
+    policy: Literal["flow", "ar"] = "flow"
+    size: str = "tiny"
+    """tiny | small | base | large"""
+    horizon: int = 8
+    n_exec: int = 4
+    cameras: tuple[str, ...] = ()
+    image_size: int = 64
+    steps: int = 2000
+    batch_size: int = 64
+    """global batch size (split across data-parallel ranks)"""
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    warmup_steps: int = 100
+    ema: float = 0.995
+    """EMA decay of the weights used for evaluation and checkpoints (0: off)"""
+    grad_clip: float = 1.0
+    instruction_dropout: float = 0.0
+    """probability of training on the empty instruction (enables CFG at sampling)"""
+    cfg_scale: float = 1.0
+    """classifier-free guidance scale stored in the checkpoint for sampling"""
+    cig: CIGOptions = field(default_factory=CIGOptions)
+    seed: int = 0
+    out: Path = Path("runs/policy")
+    eval_env: str | None = None
+    """env for periodic evaluation (default: the dataset's env)"""
+    eval_every: int = 0
+    """evaluate every N steps (0: only at the end if eval_episodes > 0)"""
+    eval_episodes: int = 0
+    eval_options: dict[str, Any] = field(default_factory=dict)
+    save_every: int = 500
+    log_every: int = 50
+    wandb: Literal["disabled", "offline", "online"] = "offline"
+    resume: bool = False
+    """continue from OUT/train_state.pt (the config must be unchanged)"""
+    device: str = "auto"
+    amp: Literal["auto", "bf16", "fp16", "none"] = "auto"
+    init_from: Path | None = None
+    """start from this checkpoint's weights (CIG continuation stage)"""
+    progress: bool = True
+
+
+MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "instruction_dropout", "seed")
+
+
+def _dist() -> tuple[int, int]:
+    ws = int(os.environ.get("WORLD_SIZE", "1"))
+    if ws > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+    return (torch.distributed.get_rank(), ws) if ws > 1 else (0, 1)
+
+
+def _device(name: str, rank: int) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        return torch.device("cpu")
+    return torch.device(name)
+
+
+def _lr(step: int, args: TrainArgs) -> float:
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    p = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    return x
+
+
+def train(args: TrainArgs) -> dict[str, Any]:
+    """Train and return a summary (final loss, samples/s, eval results, checkpoint path)."""
+    rank, world = _dist()
+    if args.batch_size % world:
+        raise ValueError(f"batch size {args.batch_size} is not divisible by the {world} data-parallel ranks")
+    if not args.data:
+        raise ValueError("give at least one dataset with --data")
+    device = _device(args.device, rank)
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    out = Path(args.out)
+    state_path = out / "train_state.pt"
+    args_json = _jsonable(dataclasses.asdict(args))
+
+    data = ChunkData(args.data, args.horizon, args.cameras, args.image_size)
+    if args.init_from:
+        policy = policies.load(args.init_from)
+        if (policy.config.state_dim, policy.config.action_dim) != (data.state_dim, data.action_dim):
+            raise policies.PolicyMismatchError(
+                f"{args.init_from} has state/action dims {(policy.config.state_dim, policy.config.action_dim)}, "
+                f"the data has {(data.state_dim, data.action_dim)}")
+        if args.instruction_dropout:
+            policy.config.instruction_dropout = args.instruction_dropout
+    else:
+        cfg = PolicyConfig(kind=args.policy, state_dim=data.state_dim, action_dim=data.action_dim,
+                           horizon=args.horizon, n_exec=args.n_exec, size=args.size, cameras=tuple(args.cameras),
+                           image_size=args.image_size, instruction_dropout=args.instruction_dropout,
+                           cfg_scale=args.cfg_scale)
+        policy = make_policy(cfg)
+        policy.fit_normalizer(data.state, data.action)
+    policy.config.cfg_scale = args.cfg_scale
+    policy.lang.warm(data.instructions)
+    cig = None
+    if args.cig.weight > 0:
+        from train.cig import CIGObjective
+        cig = CIGObjective(policy, data, args.cig, seed=args.seed)
+    policy.to(device)
+    ema = copy.deepcopy(policy).eval() if args.ema > 0 else None
+    if ema is not None:
+        for p in ema.parameters():
+            p.requires_grad_(False)
+    model = policy
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
+                            weight_decay=args.weight_decay)
+    step = 0
+    history: list[dict[str, float]] = []
+    if args.resume:
+        if not state_path.is_file():
+            raise FileNotFoundError(f"--resume: no {state_path}")
+        st = torch.load(state_path, map_location=device, weights_only=False)
+        changed = {k for k in MODEL_FIELDS if st["args"].get(k) != args_json.get(k)}
+        if changed:
+            raise ValueError(f"--resume with a changed config: {sorted(changed)} differ from the saved run")
+        policy.load_state_dict(st["model"])
+        if ema is not None and st.get("ema") is not None:
+            ema.load_state_dict(st["ema"])
+        opt.load_state_dict(st["opt"])
+        step, history = st["step"], st["history"]
+    elif rank == 0 and state_path.exists():
+        raise FileExistsError(f"{out} already holds a run; use --resume to continue it or another --out")
+
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        args.amp if args.amp != "auto" else ("bf16" if device.type == "cuda" else "none"))
+    logger = Logger(args.wandb, out, args_json, out.name, enabled=rank == 0)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    meta_extra = {"env_id": data.env_id, "instructions": data.instructions, "train_args": args_json}
+    gen = torch.Generator().manual_seed(args.seed * 1000003 + step)
+    per = args.batch_size // world
+    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.policy}", disable=not (args.progress and rank == 0))
+    t_start, samples = time.time(), 0
+    summary: dict[str, Any] = {}
+    policy.train()
+    while step < args.steps:
+        g_idx = torch.randint(len(data), (args.batch_size,), generator=gen).numpy()
+        g_t = torch.rand(args.batch_size, generator=gen)
+        g_noise = torch.randn(args.batch_size, args.horizon, data.action_dim, generator=gen)
+        g_drop = torch.rand(args.batch_size, generator=gen) < policy.config.instruction_dropout
+        sl = slice(rank * per, (rank + 1) * per)
+        batch = data.batch(g_idx[sl])
+        batch.update(flow_t=g_t[sl], flow_noise=g_noise[sl], drop_lang=g_drop[sl])
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, args)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss, metrics = model.loss(batch) if world == 1 else _ddp_loss(model, batch)
+            if cig is not None:
+                l_cig, m_cig = cig.loss(batch, gen)
+                loss = loss + args.cig.weight * l_cig
+                metrics.update(m_cig)
+        if not torch.isfinite(loss):
+            eps = sorted(set(data.episode[batch["index"]].tolist()))
+            raise FloatingPointError(f"non-finite loss {float(loss)} at step {step} on batch of episodes {eps} "
+                                     f"(indices {batch['index'][:8].tolist()}...); last checkpoint kept in {out}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+        opt.step()
+        if ema is not None:
+            with torch.no_grad():
+                for pe, p in zip(ema.parameters(), policy.parameters()):
+                    pe.lerp_(p.detach(), 1 - args.ema)
+        step += 1
+        samples += args.batch_size
+        logged = loss.detach().float()
+        if world > 1:  # report the global-batch loss, not this rank's half
+            torch.distributed.all_reduce(logged)
+            logged /= world
+        metrics.update(loss=float(logged), grad_norm=float(gnorm), lr=_lr(step - 1, args))
+        history.append({"step": step, **metrics})
+        if step % args.log_every == 0 or step == args.steps:
+            logger.log(metrics, step)
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+        bar.update(1)
+        if rank == 0 and args.eval_every and step % args.eval_every == 0 and args.eval_episodes:
+            summary["eval"] = _evaluate(ema or policy, data.env_id, args)
+            logger.log({"eval/success_rate": summary["eval"]["success_rate"]}, step)
+            policy.train()
+        if rank == 0 and (step % args.save_every == 0 or step == args.steps):
+            _save(out, policy, ema, opt, step, history, args_json, meta_extra)
+    bar.close()
+    dt = time.time() - t_start
+    summary.update(steps=step, final_loss=float(np.mean([h["loss"] for h in history[-20:]])) if history else None,
+                   samples_per_s=samples / max(dt, 1e-9), seconds=dt, ckpt=str(out / "ckpt"), history=history)
+    if rank == 0 and args.eval_episodes and not args.eval_every:
+        summary["eval"] = _evaluate(ema or policy, data.env_id, args)
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+    logger.finish()
+    if world > 1:
+        torch.distributed.barrier()
+    return summary
+
+
+def _ddp_loss(model: torch.nn.Module, batch: dict[str, Any]):
+    # DDP hooks into forward(); route loss() through it so gradients are all-reduced.
+    return model(batch)
+
+
+def _evaluate(policy, env_id: str, args: TrainArgs) -> dict[str, Any]:
+    from train.evaluate import evaluate
+    opts = dict(args.eval_options)
+    if args.cameras:
+        opts.update(cameras=tuple(args.cameras), image_size=args.image_size)
+    res = evaluate(policy, args.eval_env or env_id, args.eval_episodes, seed=10_000, env_options=opts,
+                   progress=False)
+    return res.to_dict()
+
+
+def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra) -> None:
+    (ema or policy).save(out / "ckpt", extra={**meta_extra, "step": step})
+    st = {"model": policy.state_dict(), "ema": ema.state_dict() if ema is not None else None,
+          "opt": opt.state_dict(), "step": step, "history": history, "args": args_json}
+    tmp = out / "train_state.pt.tmp"
+    torch.save(st, tmp)
+    os.replace(tmp, out / "train_state.pt")

@@ -1,0 +1,176 @@
+"""Rollouts of a policy in an env: success rate with a 95% Wilson interval, per instruction."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from tqdm import tqdm
+
+import envs
+from policies.model import PolicyMismatchError
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sensible at 0 and n successes)."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    den = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / den
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def check_compatible(policy: Any, env: Any) -> None:
+    c = policy.config
+    if c.action_dim != env.action_space.shape[0] or c.state_dim != env.state_dim:
+        raise PolicyMismatchError(
+            f"checkpoint has state/action dims ({c.state_dim}, {c.action_dim}) but env {env.env_id} has "
+            f"({env.state_dim}, {env.action_space.shape[0]})")
+    missing = [cam for cam in c.cameras if cam not in env.cameras]
+    if missing:
+        raise PolicyMismatchError(f"checkpoint needs cameras {missing}; env {env.env_id} provides {list(env.cameras)}")
+
+
+@dataclass
+class EvalResult:
+    env_id: str
+    episodes: int
+    successes: int
+    per_instruction: dict[str, dict[str, Any]] = field(default_factory=dict)
+    other_task: int = 0
+    seconds: float = 0.0
+
+    @property
+    def success_rate(self) -> float:
+        return self.successes / max(self.episodes, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        lo, hi = wilson(self.successes, self.episodes)
+        return {"env_id": self.env_id, "episodes": self.episodes, "successes": self.successes,
+                "success_rate": self.success_rate, "ci95": [lo, hi],
+                "did_other_task_rate": self.other_task / max(self.episodes, 1),
+                "per_instruction": self.per_instruction, "seconds": self.seconds}
+
+
+def rollout(policy: Any, env: Any, seed: int, options: dict | None = None,
+            act: Callable[[dict], np.ndarray] | None = None, frames: list | None = None,
+            instruction: str | None = None) -> dict[str, Any]:
+    """One episode; success if info["success"] at any step. ``instruction`` overrides obs text."""
+    obs, info = env.reset(seed=seed, options=options)
+    if instruction is not None:
+        obs["instruction"] = instruction
+    policy.reset()
+    success, other = False, False
+    for _ in range(env.max_episode_steps):
+        a = (act or policy.select_action)(obs)
+        obs, r, term, trunc, info = env.step(a)
+        if instruction is not None:
+            obs["instruction"] = instruction
+        if frames is not None:
+            frames.append(_frame(env, obs))
+        if info["success"]:
+            success = True
+            break
+        done = info.get("completed_tasks")
+        if done is not None and np.any(np.asarray(done)):
+            other = True
+        if trunc or term:
+            break
+    return {"success": success, "other_task": other and not success}
+
+
+def _frame(env: Any, obs: dict) -> np.ndarray:
+    if obs.get("images"):
+        return next(iter(obs["images"].values()))
+    return env.render_frame() if hasattr(env, "render_frame") else np.zeros((64, 64, 3), np.uint8)
+
+
+def evaluate(policy: Any, env_id: str, episodes: int = 20, seed: int = 1000, env_options: dict | None = None,
+             instructions: list[str] | None = None, video_dir: Path | None = None, n_videos: int = 2,
+             progress: bool = True, env: Any = None) -> EvalResult:
+    """Evaluate on ``episodes`` seeded episodes; suites cycle their instructions."""
+    own = env is None
+    env = env or envs.make(env_id, **(env_options or {}))
+    check_compatible(policy, env)
+    suite = getattr(env, "suite", None)
+    instrs = instructions or (suite.instructions if suite else [env.instruction])
+    res = EvalResult(env_id, 0, 0)
+    t0 = time.time()
+    for i in tqdm(range(episodes), desc=f"eval {env_id}", disable=not progress, unit="ep"):
+        instr = instrs[i % len(instrs)]
+        frames = [] if (video_dir and i < n_videos) else None
+        out = rollout(policy, env, seed + i, options={"instruction": instr} if suite else None, frames=frames)
+        res.episodes += 1
+        res.successes += out["success"]
+        res.other_task += out["other_task"]
+        d = res.per_instruction.setdefault(instr, {"episodes": 0, "successes": 0})
+        d["episodes"] += 1
+        d["successes"] += int(out["success"])
+        if frames:
+            _write_video(video_dir / f"episode_{i:03d}.mp4", frames)
+    for d in res.per_instruction.values():
+        d["success_rate"] = d["successes"] / d["episodes"]
+        d["ci95"] = list(wilson(d["successes"], d["episodes"]))
+    res.seconds = time.time() - t0
+    if own:
+        env.close()
+    return res
+
+
+def _write_video(path: Path, frames: list[np.ndarray]) -> None:
+    import imageio.v2 as imageio
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        imageio.mimsave(path, frames, fps=20)
+    except Exception as e:  # no ffmpeg: fall back to a GIF rather than failing the evaluation
+        imageio.mimsave(path.with_suffix(".gif"), frames)
+        print(f"video: mp4 writer unavailable ({e}); wrote {path.with_suffix('.gif')}")
+
+
+@dataclass
+class EvalArgs:
+    """Roll a checkpoint out in an env and report success with a 95% CI."""
+
+    ckpt: Path
+    """checkpoint directory"""
+    env: str | None = None
+    """env id (default: the env the checkpoint was trained on)"""
+    suite: str | None = None
+    episodes: int = 20
+    seed: int = 1000
+    layout: str | None = None
+    videos: int = 0
+    """record this many episodes as mp4 under --out"""
+    out: Path | None = None
+    """where to write results.json (default: CKPT/eval_<env>.json)"""
+
+
+def eval_command(argv: list[str]) -> None:
+    import tyro
+    import policies
+    args = tyro.cli(EvalArgs, args=argv, prog="groundflow eval")
+    policy = policies.load(args.ckpt)
+    meta = policies.read_checkpoint_meta(args.ckpt)
+    env_id = envs.suite_env_id(args.suite) if args.suite else (args.env or meta.get("extra", {}).get("env_id"))
+    if env_id is None:
+        raise ValueError("give --env or --suite (the checkpoint does not name its env)")
+    opts = {"layout": args.layout} if args.layout else {}
+    cams = policy.config.cameras
+    if cams:
+        opts.update(cameras=cams, image_size=meta.get("extra", {}).get("env_image_size", policy.config.image_size))
+    out = args.out or (Path(args.ckpt) / f"eval_{env_id.replace('/', '_')}.json")
+    res = evaluate(policy, env_id, args.episodes, args.seed, opts,
+                   video_dir=out.parent / "videos" if args.videos else None, n_videos=args.videos)
+    d = res.to_dict()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(d, indent=2))
+    print(json.dumps({k: d[k] for k in ("env_id", "episodes", "success_rate", "ci95", "did_other_task_rate")}, indent=2))
+    for instr, v in d["per_instruction"].items():
+        print(f"  {v['success_rate']:.2f} [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]  {instr}")
