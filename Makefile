@@ -5,6 +5,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export WANDB_MODE ?= offline
 export PYTHONUNBUFFERED := 1
+# Small models on a 2-core machine shared with simulators: more intra-op threads only spin.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup demo test test-slow bench clean
 

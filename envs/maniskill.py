@@ -51,7 +51,7 @@ class ManiSkillEnv(GroundflowEnv):
     def __init__(self, env_id: str, ms_id: str, cameras: tuple[str, ...] | list[str] = (),
                  image_size: int = 128, control_mode: str | None = None,
                  max_episode_steps: int | None = None, instruction: str | None = None,
-                 reward_mode: str = "normalized_dense", **task_options: Any):
+                 reward_mode: str | None = None, **task_options: Any):
         _import_maniskill()
         import gymnasium as gym
         from mani_skill.utils.registration import REGISTERED_ENVS

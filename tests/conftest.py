@@ -1,5 +1,7 @@
 import os
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # tiny models: extra threads only contend
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
