@@ -39,6 +39,14 @@ def setup() -> None:
     if "DISPLAY" not in os.environ:
         os.environ.setdefault("MUJOCO_GL", "egl")
         os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
+    # ManiSkill's CPU IK does ~55 tiny numpy solves per ee-control step; a multi-threaded BLAS
+    # makes each 5-40x slower on 2 shared cores (measured 41 vs 130-150 steps/s).
+    if os.environ.get("GROUNDFLOW_BLAS_THREADS", "1") != "auto":
+        try:
+            from threadpoolctl import threadpool_limits
+            threadpool_limits(int(os.environ.get("GROUNDFLOW_BLAS_THREADS", "1")), user_api="blas")
+        except ImportError:
+            pass
     vk = software_vulkan_dir()
     if vk is not None and "VK_ICD_FILENAMES" not in os.environ and not _has_gpu_vulkan():
         icd = str(vk / "lvp_icd.json")

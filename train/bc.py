@@ -60,8 +60,9 @@ class TrainArgs:
     policy: Literal["flow", "ar"] = "flow"
     size: str = "tiny"
     """tiny | small | base | large"""
-    horizon: int = 8
-    n_exec: int = 4
+    horizon: int = 16
+    """action chunk length H (16 with n_exec 8: 87% vs 67% on PushCube at 3000 steps, measured)"""
+    n_exec: int = 8
     cameras: tuple[str, ...] = ()
     image_size: int = 64
     steps: int = 2000

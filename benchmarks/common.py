@@ -1,0 +1,59 @@
+"""Helpers shared by the benchmark scripts: cached demo collection and result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DATA = ROOT / "data" / "bench"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+def demos(env_id: str, episodes: int, seed: int = 0, **kw: Any) -> Path:
+    """Collect expert demos once and reuse them (keyed by env, count, seed and options)."""
+    from train.collect import CollectArgs, collect
+    tag = "_".join(f"{k}-{v}" for k, v in sorted(kw.items()) if not isinstance(v, dict))
+    path = DATA / f"{env_id.replace('/', '_')}_{episodes}_s{seed}{'_' + tag if tag else ''}.h5"
+    if not path.exists():
+        collect(CollectArgs(env=env_id, episodes=episodes, out=path, seed=seed, progress=False, **kw))
+    return path
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    return {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def write(name: str, data: dict[str, Any], table: str, merge: bool = False) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    if merge and path.exists():
+        old = json.loads(path.read_text())
+        old.update(data)
+        data = old
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+    (RESULTS / f"{name}.md").write_text(table)
+    print(table)
+
+
+def md_table(headers: list[str], rows: list[list[Any]]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
