@@ -204,6 +204,10 @@ class AdroitEnv(GroundflowEnv):
             obs = self._u._get_obs()
         return obs, self._images(), {"success": False}
 
+    def raw_step(self, action: np.ndarray):
+        out = self._u.step(np.asarray(action, np.float64))
+        return out, self._images()
+
     def _step(self, action: np.ndarray) -> tuple[np.ndarray, dict, float, bool, bool, dict]:
         obs, reward, terminated, truncated, info = self._u.step(action.astype(np.float64))
         return obs, self._images(), float(reward), bool(terminated), bool(truncated), \

@@ -82,6 +82,11 @@ class GroundflowEnv(gym.Env):
     def set_sim_state(self, state: np.ndarray) -> None:
         raise NotImplementedError(f"{self.env_id}: this backend cannot set its simulator state")
 
+    def raw_step(self, action: np.ndarray) -> Any:
+        """Step the backend env directly, without conversion or checks, rendering the same cameras
+        with the same renderer: the baseline ``benchmarks/envs.py`` measures wrapper overhead against."""
+        raise NotImplementedError
+
     @property
     def instructions(self) -> list[str]:
         """Instructions this env can be commanded with (one for single tasks)."""

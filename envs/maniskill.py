@@ -150,6 +150,10 @@ class ManiSkillEnv(GroundflowEnv):
         return (self._state_of(obs), self._images_of(obs), float(np.asarray(reward).reshape(-1)[0]),
                 bool(np.asarray(terminated).reshape(-1)[0]), bool(np.asarray(truncated).reshape(-1)[0]), info)
 
+    def raw_step(self, action: np.ndarray):
+        import torch
+        return self.raw.step(torch.from_numpy(np.asarray(action, np.float32))[None])
+
     def get_sim_state(self) -> np.ndarray:
         return self.raw.get_state().detach().cpu().numpy().reshape(-1).astype(np.float32)
 

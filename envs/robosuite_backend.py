@@ -195,6 +195,10 @@ class RobosuiteEnv(GroundflowEnv):
         obs = self.rs.reset()
         return self._state(obs), self.render_cameras(), {"success": self._success(), **self._extra_info()}
 
+    def raw_step(self, action: np.ndarray):
+        out = self.rs.step(np.asarray(action, dtype=np.float64))
+        return out, self.render_cameras()
+
     def _step(self, action):
         _, reward, _, _ = self.rs.step(np.asarray(action, dtype=np.float64))
         # Sample every observable now: robosuite samples them on a clock that is not part of the

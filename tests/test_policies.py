@@ -23,33 +23,42 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def push_data(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "push.h5"
-    collect(CollectArgs(env="maniskill/PushCube-v1", episodes=12, out=path, seed=0, progress=False))
+    collect(CollectArgs(env="maniskill/PushCube-v1", episodes=10, out=path, seed=0, progress=False))
     return path
 
 
-def _heldout_error(policy, data, idx):
-    batch = data.batch(idx)
+@pytest.fixture(scope="module")
+def push_heldout(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "push_heldout.h5"
+    collect(CollectArgs(env="maniskill/PushCube-v1", episodes=3, out=path, seed=500, progress=False))
+    return path
+
+
+def _heldout_error(policy, data):
+    """Mean squared chunk error in normalized action units ([-1, 1] per dimension)."""
+    batch = data.batch(np.arange(0, len(data), 2))
     torch.manual_seed(0)
     with torch.no_grad():
-        pred = policy.normalizer.unaction(policy.sample_chunks(batch))
-    err = (pred.numpy() - batch["action"]) ** 2
+        pred = policy.sample_chunks(batch)
+        target = policy.normalizer.action(torch.as_tensor(batch["action"]))
+    err = ((pred - target) ** 2).mean(-1).numpy()
     return float(err[~batch["action_pad"]].mean())
 
 
-@pytest.mark.parametrize("kind,steps", [("flow", 300), ("ar", 300)])
-def test_training_beats_untrained(push_data, tmp_path, kind, steps):
-    train_eps, held = list(range(10)), [10, 11]
+# The AR policy decodes H*A tokens greedily; with 10 demos it learns a short chunk (H=4) in a few
+# hundred steps (measured 0.29 vs 0.59 untrained), while H=16 needs far more data and steps.
+@pytest.mark.parametrize("kind,steps,horizon,ratio", [("flow", 300, 16, 0.3), ("ar", 400, 4, 0.65)])
+def test_training_beats_untrained(push_data, push_heldout, tmp_path, kind, steps, horizon, ratio):
     s = train(TrainArgs(data=(push_data,), policy=kind, steps=steps, batch_size=32, out=tmp_path / kind,
+                        horizon=horizon, n_exec=min(4, horizon),
                         wandb="disabled", progress=False, warmup_steps=20, lr=1e-3, ema=0.0))
-    # held-out episodes: train on all 12 here is avoided by evaluating on the last two only
     trained = policies.load(tmp_path / kind / "ckpt")
-    held_data = ChunkData(push_data, trained.config.horizon, episodes=held)
+    held = ChunkData(push_heldout, trained.config.horizon)  # episodes never seen in training
     untrained = policies.make_policy(PolicyConfig(**{**trained.config.to_dict(), "extra": {}}))
     untrained.normalizer.load_state_dict(trained.normalizer.state_dict())
-    idx = np.arange(0, len(held_data), 3)
-    e_trained, e_untrained = _heldout_error(trained, held_data, idx), _heldout_error(untrained, held_data, idx)
+    e_trained, e_untrained = _heldout_error(trained, held), _heldout_error(untrained, held)
     assert s["history"][-1]["loss"] < s["history"][0]["loss"]
-    assert e_trained < 0.5 * e_untrained, (e_trained, e_untrained)
+    assert e_trained < ratio * e_untrained, (e_trained, e_untrained)
 
 
 def _tiny(kind="flow", **kw):
