@@ -32,25 +32,35 @@ EXPERTS = ["maniskill/PushCube-v1", "maniskill/PullCube-v1", "maniskill/PickCube
 
 
 def steps_per_s(env, n: int, raw: bool, seed: int = 0) -> float:
+    """Steps/s over ``n`` random actions from one reset (no resets inside the timed loop, so both
+    sides do exactly the same simulation work)."""
     rng = np.random.default_rng(seed)
     lo, hi = env.action_space.low, env.action_space.high
     acts = (rng.uniform(lo, hi, (n, lo.shape[0])) * 0.3).astype(np.float32)
     env.reset(seed=seed)
     step = env.raw_step if raw else env.step
     t = time.perf_counter()
-    for i, a in enumerate(acts):
-        out = step(a)
-        if not raw and (out[2] or out[3]):
-            env.reset(seed=seed + i)
+    for a in acts:
+        step(a)
     return n / (time.perf_counter() - t)
+
+
+def paired(env, n: int, repeats: int = 3) -> tuple[float, float]:
+    """Best of interleaved wrapped/raw runs: load from other processes hits both sides alike."""
+    w, r = [], []
+    for i in range(repeats):
+        w.append(steps_per_s(env, n, raw=False, seed=i))
+        r.append(steps_per_s(env, n, raw=True, seed=i))
+    return max(w), max(r)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--expert-episodes", type=int, default=50)
+    ap.add_argument("--throughput-only", action="store_true", help="keep the expert results of the last run")
     a = ap.parse_args()
-    n_steps = 100 if a.quick else 400
+    n_steps = 100 if a.quick else 300
     res: dict = {"machine": machine(), "envs": {}, "experts": {}, "collection": {}}
     rows = []
     for env_id in THROUGHPUT:
@@ -60,7 +70,7 @@ def main() -> None:
             env = envs.make(env_id, **opts)
             n = n_steps // (4 if camera else 1)
             steps_per_s(env, 10, raw=False)  # warm-up (shader compilation on first render)
-            wrapped, raw = steps_per_s(env, n, raw=False), steps_per_s(env, n, raw=True)
+            wrapped, raw = paired(env, n)
             env.close()
             key = env_id + (" +camera128" if camera else "")
             res["envs"][key] = {"steps_per_s": wrapped, "raw_steps_per_s": raw, "overhead_ratio": raw / wrapped,
@@ -69,7 +79,15 @@ def main() -> None:
             print(rows[-1], flush=True)
     erows = []
     n_ep = 10 if a.quick else a.expert_episodes
-    for env_id in EXPERTS:
+    if a.throughput_only:
+        import json
+        from common import RESULTS
+        old = json.loads((RESULTS / "envs.json").read_text())
+        res["experts"], res["collection"] = old["experts"], old["collection"]
+        for env_id, e in res["experts"].items():
+            c = res["collection"][env_id]
+            erows.append([env_id, e["success_rate"], e["episodes"], c["steps_per_s"], c["episodes_per_min"]])
+    for env_id in ([] if a.throughput_only else EXPERTS):
         t = time.time()
         out = DATA / "envs_bench" / f"{env_id.replace('/', '_')}.h5"
         s = collect(CollectArgs(env=env_id, episodes=n_ep, out=out, seed=0, keep_failures=True, progress=False,

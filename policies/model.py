@@ -114,9 +114,15 @@ class VLAModel(nn.Module):
                 hidden.append(x)
         return self.final_norm(x), hidden
 
-    def forward(self, batch: dict[str, Any]):
-        """``forward`` is the training loss (what DDP wraps)."""
-        return self.loss(batch)
+    def forward(self, batch: dict[str, Any], aux: Any = None):
+        """The training loss (what DDP wraps). ``aux(batch) -> (loss, metrics)`` adds a term computed
+        inside the same forward (e.g. CIG), so data-parallel gradient reduction covers it too."""
+        loss, metrics = self.loss(batch)
+        if aux is not None:
+            extra, m = aux(batch)
+            loss = loss + extra
+            metrics.update(m)
+        return loss, metrics
 
     # ----- observation handling -------------------------------------------------------------
     def obs_to_batch(self, obs: dict[str, Any]) -> dict[str, Any]:

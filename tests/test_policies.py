@@ -150,13 +150,22 @@ def test_bad_inputs_are_named(tmp_path, push_data):
     train(TrainArgs(data=(push_data,), steps=4, batch_size=8, out=out, wandb="disabled", progress=False, save_every=2))
     with pytest.raises(ValueError, match="changed config"):
         train(TrainArgs(data=(push_data,), steps=6, batch_size=8, out=out, wandb="disabled", progress=False,
-                        horizon=4, resume=True))
+                        horizon=12, resume=True))
     s = train(TrainArgs(data=(push_data,), steps=6, batch_size=8, out=out, wandb="disabled", progress=False,
                         resume=True))
     assert s["steps"] == 6 and len(s["history"]) == 6
+    # a corrupt sensor reading (NaN state) makes the loss non-finite: training stops naming the batch
+    from train.dataset import Dataset, DatasetWriter
+    src = Dataset(push_data)
+    bad = tmp_path / "nan.h5"
+    with DatasetWriter(bad, src.env_id, src.state_dim, src.action_dim) as w:
+        for i in range(len(src)):
+            ep = src.episode(i)
+            if i == 1:
+                ep.state[3, 0] = np.nan
+            w.add(ep)
     with pytest.raises(FloatingPointError, match="episodes"):
-        train(TrainArgs(data=(push_data,), steps=3, batch_size=8, out=tmp_path / "nan", wandb="disabled",
-                        progress=False, lr=float("nan"), warmup_steps=1))
+        train(TrainArgs(data=(bad,), steps=3, batch_size=8, out=tmp_path / "nan", wandb="disabled", progress=False))
 
 
 DDP_SCRIPT = """
@@ -187,3 +196,27 @@ def test_ddp_two_processes_match_one(push_data, tmp_path):
     b = policies.load(tmp_path / "two" / "ckpt")
     for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, atol=2e-4, rtol=1e-3, msg=n)
+
+
+def test_image_conditioned_training_end_to_end(tmp_path):
+    """Camera observations from the simulator -> dataset -> flow policy with a CNN -> actions."""
+    import envs
+    path = tmp_path / "cam.h5"
+    collect(CollectArgs(env="maniskill/PushCube-v1", episodes=2, out=path, seed=0, cameras=("base_camera",),
+                        image_size=64, progress=False))
+    s = train(TrainArgs(data=(path,), steps=60, batch_size=16, cameras=("base_camera",), image_size=64,
+                        out=tmp_path / "run", wandb="disabled", progress=False, warmup_steps=5, lr=1e-3))
+    losses = [h["loss"] for h in s["history"]]
+    assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10])
+    p = policies.load(tmp_path / "run" / "ckpt")
+    assert p.config.cameras == ("base_camera",) and p.vision is not None
+    env = envs.make("maniskill/PushCube-v1", cameras=("base_camera",), image_size=64)
+    obs, _ = env.reset(seed=9)
+    chunk = p.predict_action_chunk(obs)
+    assert chunk.shape == (p.config.horizon, 8) and np.all(np.isfinite(chunk))
+    with pytest.raises(PolicyMismatchError, match="cameras"):
+        p.predict_action_chunk({"state": obs["state"], "instruction": obs["instruction"]})
+    env.close()
+    with pytest.raises(Exception, match="cameras"):
+        train(TrainArgs(data=(path,), steps=2, cameras=("hand_camera",), out=tmp_path / "bad", wandb="disabled",
+                        progress=False))

@@ -178,7 +178,9 @@ def train(args: TrainArgs) -> dict[str, Any]:
             p.requires_grad_(False)
     model = policy
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+        # find_unused_parameters: the null-instruction token only gets gradient on dropped samples
+        model = torch.nn.parallel.DistributedDataParallel(
+            policy, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=args.weight_decay)
     step = 0
@@ -220,12 +222,13 @@ def train(args: TrainArgs) -> dict[str, Any]:
         batch.update(flow_t=g_t[sl], flow_noise=g_noise[sl], drop_lang=g_drop[sl])
         for group in opt.param_groups:
             group["lr"] = _lr(step, args)
+        aux = None
+        if cig is not None:
+            def aux(b, _gen=gen):
+                l_cig, m_cig = cig.loss(b, _gen)
+                return args.cig.weight * l_cig, m_cig
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss, metrics = model.loss(batch) if world == 1 else _ddp_loss(model, batch)
-            if cig is not None:
-                l_cig, m_cig = cig.loss(batch, gen)
-                loss = loss + args.cig.weight * l_cig
-                metrics.update(m_cig)
+            loss, metrics = model(batch, aux)
         if not torch.isfinite(loss):
             eps = sorted(set(data.episode[batch["index"]].tolist()))
             raise FloatingPointError(f"non-finite loss {float(loss)} at step {step} on batch of episodes {eps} "
@@ -268,11 +271,6 @@ def train(args: TrainArgs) -> dict[str, Any]:
     if world > 1:
         torch.distributed.barrier()
     return summary
-
-
-def _ddp_loss(model: torch.nn.Module, batch: dict[str, Any]):
-    # DDP hooks into forward(); route loss() through it so gradients are all-reduced.
-    return model(batch)
 
 
 def _evaluate(policy, env_id: str, args: TrainArgs) -> dict[str, Any]:
