@@ -28,8 +28,8 @@ from train.evaluate import evaluate, wilson  # noqa: E402
 TASKS = {  # env id -> (demos, train steps, horizon, n_exec)
     "maniskill/PushCube-v1": (150, 3000, 16, 8),
     "adroit/door": (50, 3000, 16, 8),
-    "maniskill/TabletopSuite-v1": (120, 3000, 16, 8),
-    "robosuite/KitchenSuite": (60, 3000, 16, 8),
+    "maniskill/TabletopSuite-v1": (120, 2000, 16, 8),
+    "robosuite/KitchenSuite": (60, 2000, 16, 8),
 }
 
 

@@ -225,7 +225,13 @@ class RobosuiteEnv(GroundflowEnv):
         spec = mujoco.mjtState.mjSTATE_INTEGRATION
         x = np.empty(mujoco.mj_stateSize(m, spec), dtype=np.float64)
         mujoco.mj_getState(m, d, x, spec)
-        return np.concatenate([x, np.asarray(self._gripper.current_action, dtype=np.float64)])
+        return np.concatenate([x, self._gripper_command()])
+
+    def _gripper_command(self) -> np.ndarray:
+        # robosuite's Panda gripper starts with a (1,) command that broadcasts to (2,) on the first
+        # action; store it at the broadcast size so every step's state has the same length.
+        ca = np.asarray(self._gripper.current_action, dtype=np.float64).reshape(-1)
+        return np.repeat(ca, 2) if ca.size == 1 else ca
 
     def set_sim_state(self, state: np.ndarray) -> None:
         import mujoco
@@ -233,7 +239,7 @@ class RobosuiteEnv(GroundflowEnv):
         spec = mujoco.mjtState.mjSTATE_INTEGRATION
         n = mujoco.mj_stateSize(m, spec)
         x = np.asarray(state, dtype=np.float64).reshape(-1)
-        ng = int(np.size(self._gripper.current_action))
+        ng = int(self._gripper_command().size)
         if x.shape != (n + ng,):
             raise InvalidOptionError(f"{self.env_id}: sim state has shape {x.shape}, expected ({n + ng},) "
                                      "(from get_sim_state of the same env)")
