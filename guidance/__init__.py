@@ -1,1 +1,31 @@
-"""groundflow guidance."""
+"""Guidance for flow-matching samplers: Coupled Guidance, baselines, costs, and the one sampler.
+
+    import guidance
+    from guidance import costs
+    cost = costs.ObstacleCost(costs.EEPath(start=ee_pos, step_size=0.02),
+                              [guidance.geometry.Sphere(center, 0.05)])
+    guide = guidance.make("coupled", cost=cost, scale=1.0)
+    chunk, stats = guidance.sample(velocity, x0, n_steps=10, guide=guide, return_stats=True)
+
+Methods (``guidance.METHODS``): none, coupled, velocity_gradient, state_gradient, pnp_renoise,
+mc, cfg; ``guidance.make`` names the valid options of each. ``velocity(x_t, t)`` (or
+``velocity(x_t, t, cond)`` when ``cond`` is given; ``drop_cond=True`` for cfg's unconditional
+branch) returns a tensor shaped like ``x_t``. ``stats`` counts network evaluations, backward
+passes, cost gradients/evaluations, repaired (non-finite or clipped) gradients and wall time.
+Costs are in nats (``guidance.costs``). The exact-answer testbed lives in ``guidance.testbed``
+and ``guidance.distances`` (imported on demand); results in benchmarks/results/guidance.md.
+"""
+
+from guidance import costs, geometry, operators
+from guidance.base import SCHEDULES, Guidance
+from guidance.baselines import (ClassifierFreeGuidance, MonteCarloGuidance, NoGuidance,
+                                StateGradientGuidance, VelocityGradientGuidance)
+from guidance.costs import Cost, Projection, make_cost
+from guidance.coupled import CoupledGuidance, PnPRenoiseGuidance
+from guidance.methods import METHODS, make
+from guidance.sampler import SampleStats, sample
+
+__all__ = ["sample", "make", "METHODS", "SCHEDULES", "Guidance", "SampleStats", "CoupledGuidance",
+           "PnPRenoiseGuidance", "NoGuidance", "VelocityGradientGuidance", "StateGradientGuidance",
+           "MonteCarloGuidance", "ClassifierFreeGuidance", "Cost", "Projection", "make_cost", "costs",
+           "geometry", "operators"]

@@ -1,0 +1,281 @@
+"""Coupled Guidance: guide the data endpoint of the training coupling, not the velocity.
+
+At ``x_t`` the network's velocity gives the posterior mean of the data endpoint,
+``x1_hat = x_t + (1 - t) v``, with posterior covariance ``Sigma_t``. Tilting that posterior by
+``exp(-w c)`` moves the endpoint to ``x1_tilde``; the state then moves along the segment from
+the re-derived noise endpoint ``(x_t - t x1_tilde) / (1 - t)`` to ``x1_tilde``:
+
+    x_{t+dt} = x_t + dt (x1_tilde - x_t) / (1 - t)
+
+Endpoint steps (``step``; the default ``"linesearch"`` -- ``"linear"`` with ``sigma="jacobian"``
+-- is what the exact testbed supports: as accurate as ``"linear"`` where that is stable, and
+stable where it is not; see ``benchmarks/results/guidance.md``):
+  * ``"linear"``: ``x1_tilde = x1_hat - w Sigma_t grad c(x1_hat)`` (exact for Gaussian
+    posteriors and linear costs);
+  * ``"prox"``: ``argmin_z |z - x1_hat|^2 / (2 w Sigma_t) + c(z)`` by ``inner_steps``
+    Sigma-preconditioned gradient steps with a backtracking (Armijo) line search (monotone, so
+    it cannot blow up on stiff costs); exact for Gaussian posteriors and quadratic costs;
+  * ``"linesearch"``: the first of those steps only: the linear step where it lowers the prox
+    objective, halved until it does (so ``sum_i delta_i^2 / Sigma_i <= 2 w (c(x1_hat) -
+    c(x1_tilde))``: a bounded cost bounds the step; a linear cost gets the full linear step);
+  * ``"trust"``: the linear step with its per-sample norm capped at ``radius`` (units of x);
+  * ``"sampled"``: the mean of ``N(x1_hat, Sigma_t)`` tilted by ``exp(-w c)``, estimated with
+    ``n_particles`` antithetic draws (seeded): cost evaluations only, no gradient; it sees mass
+    that a flat-then-steep cost removes where a point gradient sees nothing, and it is bounded
+    (an average of particles) -- which also means it cannot move the endpoint further than a few
+    posterior stds, so it under-guides stiff costs whose tilted mean lies far out.
+A ``project`` (Projection, ``(mask, values)``, or a PrefixCost) is then applied to
+``x1_tilde`` exactly; at the last step ``x_1 = x1_tilde``, so hard constraints hold at the end.
+
+``Sigma_t`` (``sigma``): ``"independent"`` = ``s2 (1-t)^2 / ((1-t)^2 + t^2 s2)`` (Gaussian data of
+per-dimension variance ``s2`` under the independent coupling); ``"identity"`` = 1; a float
+constant; or ``"jacobian"`` = ``(1-t)^2 / t * d x1_hat / d x_t`` (Tweedie), applied to the
+gradient by one vector-Jacobian product: this one costs a backward pass through the network.
+All other variants use the network exactly as unguided sampling does: same NFE, no backward.
+
+``noise_endpoint="fixed"`` keeps the unguided noise endpoint and moves only the data endpoint
+(the tempting variant DESIGN.md reports as worse); ``PnPRenoiseGuidance`` re-noises with fresh
+noise instead (PnP-Flow style).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from envs.errors import InvalidOptionError
+from guidance.base import Guidance, clip_norm, resolve_projection, sanitize
+from guidance.costs import Cost
+from guidance.sampler import VelocityCaller
+
+SIGMAS = ("independent", "identity", "jacobian")
+STEPS = ("linear", "linesearch", "prox", "trust", "sampled")
+NOISE_ENDPOINTS = ("rederived", "fixed")
+_ARMIJO = 1e-4
+_MAX_HALVINGS = 30
+
+
+class CoupledGuidance(Guidance):
+    """Coupled Guidance (see module docstring). Options: step, sigma, s2, inner_steps (prox),
+    radius (trust), n_particles and seed (sampled), project, noise_endpoint, plus the common
+    ones of ``Guidance`` (t_start, t_end, schedule, max_grad_norm)."""
+
+    name = "coupled"
+
+    def __init__(self, cost: Cost | Callable | str | None = None, scale: float = 1.0, *,
+                 step: str | None = None, sigma: str | float = "independent", s2: float | Tensor = 1.0,
+                 inner_steps: int = 5, radius: float = 1.0, n_particles: int = 32, seed: int = 0,
+                 project: Any = None, noise_endpoint: str = "rederived", **common: Any) -> None:
+        super().__init__(cost, scale, **common)
+        if step is None:  # the default: linesearch, which needs a diagonal Sigma_t
+            step = "linear" if sigma == "jacobian" else "linesearch"
+        if step not in STEPS:
+            raise InvalidOptionError(f"unknown coupled step {step!r}; valid steps: {', '.join(STEPS)}")
+        if isinstance(sigma, str):
+            if sigma not in SIGMAS:
+                raise InvalidOptionError(f"unknown sigma {sigma!r}; valid: {', '.join(SIGMAS)} or a "
+                                         f"positive float")
+        elif isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not sigma > 0:
+            raise InvalidOptionError(f"sigma must be one of {', '.join(SIGMAS)} or a float > 0; got {sigma!r}")
+        if sigma == "jacobian" and step in ("linesearch", "prox", "sampled"):
+            raise InvalidOptionError(f"step={step!r} needs an explicit diagonal Sigma_t; use sigma="
+                                     "'independent', 'identity' or a float with it, or step='linear'/'trust' "
+                                     "with sigma='jacobian'")
+        if isinstance(n_particles, bool) or not isinstance(n_particles, int) or n_particles < 2 \
+                or n_particles % 2:
+            raise InvalidOptionError(f"n_particles must be an even integer >= 2 (antithetic pairs); "
+                                     f"got {n_particles!r}")
+        s2t = torch.as_tensor(s2, dtype=torch.float32)
+        if not bool((s2t > 0).all()):
+            raise InvalidOptionError(f"s2 (data variance per dimension) must be > 0; got {s2}")
+        if isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1:
+            raise InvalidOptionError(f"inner_steps must be an integer >= 1; got {inner_steps!r}")
+        if not radius > 0:
+            raise InvalidOptionError(f"radius must be > 0; got {radius}")
+        if noise_endpoint not in self._noise_endpoints():
+            raise InvalidOptionError(f"unknown noise_endpoint {noise_endpoint!r}; valid: "
+                                     f"{', '.join(self._noise_endpoints())}")
+        self.step_kind, self.sigma, self.s2 = step, sigma, s2t
+        self.inner_steps, self.radius = inner_steps, float(radius)
+        self.n_particles, self.seed = n_particles, int(seed)
+        self.project, self.noise_endpoint = project, noise_endpoint
+        self._proj = None
+        self._projected_last = False
+        self._gen: torch.Generator | None = None
+
+    @staticmethod
+    def _noise_endpoints() -> tuple[str, ...]:
+        return NOISE_ENDPOINTS
+
+    @property
+    def needs_network_grad(self) -> bool:
+        return self.sigma == "jacobian" and self.scale > 0 and self.cost is not None
+
+    def _has_projection(self) -> bool:
+        return self.project is not None
+
+    def begin(self, x0: Tensor, velocity: VelocityCaller) -> None:
+        super().begin(x0, velocity)
+        event = tuple(x0.shape[1:])
+        if self.s2.ndim:
+            try:
+                ok = torch.broadcast_shapes(self.s2.shape, event) == event
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise InvalidOptionError(f"s2 of shape {tuple(self.s2.shape)} does not broadcast to "
+                                         f"per-sample shape {event}")
+        self._proj = resolve_projection(self.project, event)
+        self._projected_last = False
+        self._gen = torch.Generator(device=x0.device).manual_seed(self.seed)
+
+    # ---- the three pieces: Sigma_t, the endpoint step, the move along the segment ----------
+    def sigma_t(self, t: float, like: Tensor) -> Tensor:
+        """Diagonal posterior covariance of the data endpoint at time t, shaped (1, *event)."""
+        event_ones = torch.ones((1, *like.shape[1:]), device=like.device, dtype=like.dtype)
+        if self.sigma == "identity":
+            return event_ones
+        if isinstance(self.sigma, (int, float)):
+            return event_ones * float(self.sigma)
+        s2 = self.s2.to(like.device, like.dtype) * event_ones
+        a = (1.0 - t) ** 2
+        return s2 * a / (a + t * t * s2)
+
+    def guided_step(self, velocity: VelocityCaller, x: Tensor, t: float, dt: float, w: float) -> Tensor:
+        if self.sigma == "jacobian" and t > 0 and self.cost is not None:
+            xr = x.detach().requires_grad_(True)
+            with torch.inference_mode(False), torch.enable_grad():
+                x1_hat_graph = xr + (1.0 - t) * velocity(xr, t, grad=True)
+            x1_hat = x1_hat_graph.detach()
+            factor = (1.0 - t) ** 2 / t
+
+            def precondition(g: Tensor) -> Tensor:
+                jg = velocity.backward(x1_hat_graph, xr, g)
+                return factor * sanitize(jg, self._stats)
+        else:
+            x1_hat = x + (1.0 - t) * velocity(x, t)
+            sig = self.sigma_t(t, x)
+
+            def precondition(g: Tensor) -> Tensor:
+                return sig * g
+        x1_tilde = self.endpoint(x1_hat, t, w, precondition)
+        if self._proj is not None:
+            x1_tilde = self._proj(x1_tilde)
+        self._projected_last = t + dt >= 1.0 - 1e-9
+        return self.move(x, x1_hat, x1_tilde, t, dt)
+
+    def endpoint(self, x1_hat: Tensor, t: float, w: float, precondition: Callable[[Tensor], Tensor]) -> Tensor:
+        """The tilted posterior mean ``x1_tilde`` (before any projection)."""
+        if self.cost is None:
+            return x1_hat
+        if self.step_kind in ("prox", "linesearch"):
+            n_inner = 1 if self.step_kind == "linesearch" else self.inner_steps
+            return self._prox(x1_hat, w * self.sigma_t(t, x1_hat), n_inner)
+        if self.step_kind == "sampled":
+            return self._sampled(x1_hat, self.sigma_t(t, x1_hat), w)
+        _, g = self.cost_grad(x1_hat)
+        delta = w * precondition(g)
+        if self.step_kind == "trust":
+            flat, n = clip_norm(delta.reshape(delta.shape[0], -1), self.radius)
+            self._stats.n_clipped_grad += n
+            delta = flat.reshape(delta.shape)
+        return x1_hat - delta
+
+    def _prox(self, center: Tensor, a: Tensor, n_inner: int) -> Tensor:
+        """argmin_z |z - center|^2 / (2a) + c(z), a = w Sigma_t > 0 diagonal (1, *event)."""
+        b = center.shape[0]
+        view = (b,) + (1,) * (center.ndim - 1)
+
+        def objective(z: Tensor) -> Tensor:
+            self._stats.n_cost_evals += 1
+            with torch.no_grad():
+                q = ((z - center) ** 2 / (2 * a)).flatten(1).sum(1)
+                return q + self.cost(z)
+
+        z = center
+        c, g = self.cost_grad(z)
+        f = c  # the quadratic term is 0 at the centre
+        for k in range(n_inner):
+            d = (z - center) + a * g              # Sigma-preconditioned gradient of the objective
+            slope = (d * d / a).flatten(1).sum(1)
+            eta = torch.ones(b, device=z.device, dtype=z.dtype)
+            accepted = torch.zeros(b, dtype=torch.bool, device=z.device)
+            z_new, f_new = z, f
+            for _ in range(_MAX_HALVINGS):
+                cand = z - eta.view(view) * d
+                fc = objective(cand)
+                ok = ~accepted & torch.isfinite(fc) & (fc <= f - _ARMIJO * eta * slope)
+                z_new = torch.where(ok.view(view), cand, z_new)
+                f_new = torch.where(ok, fc, f_new)
+                accepted |= ok
+                if bool(accepted.all()):
+                    break
+                eta = torch.where(accepted, eta, eta * 0.5)
+            z, f = z_new, f_new
+            if k + 1 < n_inner:
+                _, g = self.cost_grad(z)
+        return z
+
+    def _sampled(self, center: Tensor, sig: Tensor, w: float) -> Tensor:
+        """Mean of N(center, Sigma_t) tilted by exp(-w c), by self-normalized importance sampling
+        with antithetic draws (exact zero mean, so w -> 0 gives back ``center``)."""
+        k, b = self.n_particles, center.shape[0]
+        eps = torch.randn((k // 2, *center.shape), generator=self._gen, device=center.device,
+                          dtype=center.dtype)
+        dev = torch.cat([eps, -eps]) * sig.sqrt()             # (K, B, ...)
+        with torch.no_grad():  # one batch per particle: costs may hold per-sample parameters (B, ...)
+            c = torch.stack([self.cost(center + d) for d in dev])
+        self._stats.n_cost_evals += k
+        bad = ~torch.isfinite(c)
+        if bool(bad.any()):
+            self._stats.n_nonfinite_grad += int(bad.any(0).sum())
+        logw = -w * torch.where(torch.isnan(c), torch.full_like(c, float("inf")), c)
+        dead = torch.isinf(logw).all(0)                       # every particle infinitely costly
+        wts = torch.softmax(torch.where(dead[None], torch.zeros_like(logw), logw), dim=0)
+        return center + (wts.view(k, b, *([1] * (center.ndim - 1))) * dev).sum(0)
+
+    def move(self, x: Tensor, x1_hat: Tensor, x1_tilde: Tensor, t: float, dt: float) -> Tensor:
+        """Next state on the segment toward ``x1_tilde``."""
+        if self.noise_endpoint == "fixed":
+            x0_hat = (x - t * x1_hat) / (1.0 - t)
+            return (1.0 - t - dt) * x0_hat + (t + dt) * x1_tilde
+        return x + dt * (x1_tilde - x) / (1.0 - t)
+
+    def finish(self, x: Tensor) -> Tensor:
+        # The last step lands on x1_tilde up to float rounding; make the hard constraint exact.
+        if self._proj is not None and self._projected_last:
+            return self._proj(x)
+        return x
+
+
+class PnPRenoiseGuidance(CoupledGuidance):
+    """PnP-Flow-style baseline: a guided endpoint (default: the linear step), then FRESH noise.
+
+    ``x_{t+dt} = (1 - t') eps + t' x1_tilde`` with ``eps ~ N(0, I)`` drawn anew each step
+    (seeded by ``seed``), instead of the noise endpoint re-derived from ``x_t``. Isolates what
+    keeping the coupling is worth.
+    """
+
+    name = "pnp_renoise"
+
+    def __init__(self, cost: Cost | Callable | str | None = None, scale: float = 1.0,
+                 **options: Any) -> None:
+        options.setdefault("noise_endpoint", "fresh")
+        options.setdefault("step", "linear")  # PnP-Flow's plain gradient step on the endpoint
+        super().__init__(cost, scale, **options)
+
+    @staticmethod
+    def _noise_endpoints() -> tuple[str, ...]:
+        return ("fresh",)
+
+    def move(self, x: Tensor, x1_hat: Tensor, x1_tilde: Tensor, t: float, dt: float) -> Tensor:
+        t_next = t + dt
+        if t_next >= 1.0 - 1e-9:
+            return x1_tilde
+        eps = torch.randn(x.shape, generator=self._gen, device=x.device, dtype=x.dtype)
+        return (1.0 - t_next) * eps + t_next * x1_tilde
+
+
+__all__ = ["CoupledGuidance", "PnPRenoiseGuidance", "SIGMAS", "STEPS"]

@@ -1,0 +1,288 @@
+"""Guidance: sampler accounting, every method's contract, costs, and the exact testbed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import guidance
+from guidance import costs, distances, testbed
+from guidance.geometry import Box, Capsule, Sphere
+
+torch.set_num_threads(1)
+
+COST_METHODS = ("coupled", "velocity_gradient", "state_gradient", "pnp_renoise", "mc")
+
+
+class TinyNet(nn.Module):
+    """A velocity net with a backward-hook counter: backprop through it is observable."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape = shape
+        n = math.prod(shape)
+        self.net = nn.Sequential(nn.Linear(n + 1, 32), nn.Tanh(), nn.Linear(32, n))
+        self.backward_calls = 0
+        self.net.register_full_backward_hook(self._count)
+
+    def _count(self, *_):
+        self.backward_calls += 1
+
+    def forward(self, x, t):
+        h = torch.cat([x.flatten(1), t[:, None]], 1)
+        return self.net(h).view(x.shape)
+
+
+@pytest.fixture(scope="module")
+def bed2d():
+    tb = testbed.make_testbed("gmm2d_linear", n_data=4000)
+    return tb, tb.unconditional_velocity(tb.oracle())
+
+
+def _make(name, tb, scale, **opt):
+    if name in ("coupled", "pnp_renoise"):
+        opt.setdefault("s2", tb.s2)
+    if name == "mc":
+        opt["data"] = tb.data
+    return guidance.make(name, cost=tb.cost, scale=scale, **opt)
+
+
+@pytest.mark.parametrize("name", COST_METHODS)
+def test_scale_zero_reproduces_unguided_exactly(bed2d, name):
+    tb, v = bed2d
+    x0 = torch.randn(256, 2, generator=torch.Generator().manual_seed(0))
+    ref = guidance.sample(v, x0, 10)
+    out = guidance.sample(v, x0, 10, guide=_make(name, tb, 0.0))
+    assert torch.equal(out, ref)
+
+
+def test_guidance_outside_its_window_is_unguided(bed2d):
+    tb, v = bed2d
+    x0 = torch.randn(64, 2, generator=torch.Generator().manual_seed(1))
+    g = _make("coupled", tb, 1.0, t_start=0.5)
+    # the first half is the unguided path; the result differs from unguided because of the rest
+    half = guidance.sample(v, x0, 10, guide=g)
+    assert not torch.equal(half, guidance.sample(v, x0, 10))
+    with pytest.raises(ValueError, match="t_start"):
+        guidance.make("coupled", cost=tb.cost, t_start=0.8, t_end=0.2)
+
+
+@pytest.mark.parametrize("name", COST_METHODS)
+def test_each_method_moves_samples_toward_the_exact_tilted_target(bed2d, name):
+    tb, v = bed2d
+    target, ess = tb.exact_target(2000, seed=0)
+    assert ess > 10_000
+    x0 = torch.randn(2000, 2, generator=torch.Generator().manual_seed(2))
+    base = distances.sliced_wasserstein(guidance.sample(v, x0, 10), target)
+    guided = distances.sliced_wasserstein(guidance.sample(v, x0, 10, guide=_make(name, tb, 0.2)), target)
+    assert guided < 0.9 * base, (name, guided, base)
+
+
+def test_coupled_is_exact_for_gaussian_data_and_a_linear_cost():
+    # Gaussian data N(m, s2 I): the tilted target of exp(-a.x) is N(m - s2 a, s2 I).
+    m, s2, a = torch.tensor([0.5, -0.3]), 0.4, torch.tensor([1.0, -2.0])
+
+    def v(x, t):
+        t = t[:, None]
+        return (m + t * s2 / (t * t * s2 + (1 - t) ** 2) * (x - t * m) - x) / (1 - t)
+    x0 = torch.randn(20000, 2, generator=torch.Generator().manual_seed(0))
+    x = guidance.sample(v, x0, 50, guide=guidance.make("coupled", cost=costs.LinearCost(a), s2=s2))
+    assert torch.allclose(x.mean(0), m - s2 * a, atol=0.03)
+    assert torch.allclose(x.var(0), torch.full((2,), s2), atol=0.03)
+
+
+def test_coupled_uses_the_network_like_unguided_sampling():
+    net = TinyNet((4, 3))
+    x0 = torch.randn(8, 4, 3, generator=torch.Generator().manual_seed(0))
+    cost = costs.LimitCost(-0.1, 0.1)
+    _, plain = guidance.sample(net, x0, 10, return_stats=True)
+    for opts in ({}, {"step": "prox"}, {"step": "linesearch"}, {"step": "trust"}, {"step": "sampled"},
+                 {"sigma": "identity"}, {"noise_endpoint": "fixed"}):
+        x, st = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0, **opts),
+                                return_stats=True)
+        assert st.nfe == plain.nfe == 10 and st.n_backward == 0
+        assert st.n_cost_grads + st.n_cost_evals > 0, opts
+        assert net.backward_calls == 0 and all(p.grad is None for p in net.parameters())
+    # the check can fail: DPS-like guidance does backpropagate through the network
+    _, st = guidance.sample(net, x0, 10, guide=guidance.make("velocity_gradient", cost=cost, scale=2.0),
+                            return_stats=True)
+    assert st.n_backward == 10 and net.backward_calls == 10
+    # the Jacobian Sigma_t estimate is the one coupled variant that pays a backward pass (t > 0)
+    _, st = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0, sigma="jacobian"),
+                            return_stats=True)
+    assert st.nfe == 10 and st.n_backward == 9
+
+
+def test_safeguarded_steps_stay_stable_where_the_linear_step_blows_up():
+    tb = testbed.make_testbed("gmm2d_obstacle", n_data=2000)
+    v = tb.unconditional_velocity(tb.oracle())
+    target, _ = tb.exact_target(2000)
+    x0 = torch.randn(2000, 2, generator=torch.Generator().manual_seed(4))
+    unguided = distances.sliced_wasserstein(guidance.sample(v, x0, 10), target)
+
+    def swd(**opt):
+        return distances.sliced_wasserstein(guidance.sample(v, x0, 10, guide=_make("coupled", tb, 30.0, **opt)),
+                                            target)
+    assert swd(step="linear") > 5 * unguided       # stiff cost, large scale: the linear step overshoots
+    for step in ("linesearch", "prox", "trust", "sampled"):
+        assert swd(step=step) < unguided, step     # bounded steps still help at the same scale
+
+
+def test_sampled_step_matches_the_tilted_gaussian_mean():
+    # Gaussian data, quadratic cost: the tilted posterior mean is what prox converges to too.
+    m, s2, y, k = torch.tensor([0.5, -0.3]), 0.4, torch.tensor([0.9, 0.2]), 4.0
+
+    def v(x, t):
+        t = t[:, None]
+        return (m + t * s2 / (t * t * s2 + (1 - t) ** 2) * (x - t * m) - x) / (1 - t)
+    exact = (m / s2 + k * y) / (1 / s2 + k)
+    x0 = torch.randn(8000, 2, generator=torch.Generator().manual_seed(0))
+    for opts in ({"step": "sampled"}, {"step": "prox", "inner_steps": 20}):
+        x = guidance.sample(v, x0, 10, guide=guidance.make("coupled", cost=costs.QuadraticCost(y, k), s2=s2, **opts))
+        assert torch.allclose(x.mean(0), exact, atol=0.02), opts
+
+
+def test_hard_prefix_projection_is_met_and_the_rest_follows():
+    net = TinyNet((6, 3))
+    x0 = torch.randn(16, 6, 3, generator=torch.Generator().manual_seed(0))
+    prefix = torch.tensor([[0.5, -0.5, 0.2], [0.4, -0.4, 0.1]])
+    g = guidance.make("coupled", cost=None, scale=1.0, project=costs.PrefixCost(prefix))
+    x = guidance.sample(net, x0, 10, guide=g)
+    assert torch.allclose(x[:, :2], prefix.expand(16, 2, 3), atol=1e-6)
+    assert not torch.allclose(x[:, 2:], guidance.sample(net, x0, 10)[:, 2:])  # sampled around it
+    # per-sample prefixes and an explicit (mask, values) pair work the same way
+    mask = torch.zeros(6, 3, dtype=torch.bool)
+    mask[0] = True
+    vals = torch.zeros(16, 6, 3)
+    vals[:, 0] = torch.arange(16.0)[:, None]
+    x = guidance.sample(net, x0, 10, guide=guidance.make("pnp_renoise", project=(mask, vals)))
+    assert torch.allclose(x[:, 0], vals[:, 0], atol=1e-6)
+
+
+def test_soft_prefix_cost_pulls_toward_the_prefix():
+    net = TinyNet((6, 2))
+    x0 = torch.randn(32, 6, 2, generator=torch.Generator().manual_seed(3))
+    prefix = torch.full((3, 2), 0.7)
+    cost = costs.PrefixCost(prefix, sigma=0.1)
+    err0 = (guidance.sample(net, x0, 10)[:, :3] - prefix).abs().mean()
+    err1 = (guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, step="prox"))[:, :3]
+            - prefix).abs().mean()
+    assert err1 < 0.2 * err0
+
+
+def test_bad_input_raises_value_error_naming_the_problem():
+    net = TinyNet((4, 3))
+    x0 = torch.randn(2, 4, 3)
+    with pytest.raises(ValueError, match="scale must be >= 0"):
+        guidance.make("coupled", cost=costs.LimitCost(-1, 1), scale=-1.0)
+    with pytest.raises(ValueError, match="valid methods: none, coupled"):
+        guidance.make("dps")
+    with pytest.raises(ValueError, match="valid options"):
+        guidance.make("coupled", cost=costs.LimitCost(-1, 1), stepsize=3)
+    with pytest.raises(ValueError, match="valid costs: linear"):
+        costs.make_cost("wall")
+    with pytest.raises(ValueError, match=r"\(2, 5\).*\(4, 3\)"):
+        guidance.sample(net, x0, 4, guide=guidance.make("coupled", cost=costs.PrefixCost(torch.zeros(2, 5))))
+    with pytest.raises(ValueError, match=r"\(4, 3\)"):
+        guidance.sample(net, x0, 4, guide=guidance.make("coupled", cost=costs.LinearCost(torch.ones(3, 4))))
+    with pytest.raises(ValueError, match="needs a cost"):
+        guidance.sample(net, x0, 4, guide=guidance.make("state_gradient", scale=1.0))
+    with pytest.raises(ValueError, match="drop_cond"):
+        guidance.sample(net, x0, 4, guide=guidance.make("cfg", scale=3.0))
+
+
+def test_nan_gradient_is_counted_and_not_propagated():
+    net = TinyNet((3,))
+    x0 = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+
+    def poisoned(x):  # sample 0's cost and gradient are NaN, the others are fine
+        poison = torch.zeros(x.shape[0], dtype=x.dtype)
+        poison[0] = float("nan")
+        return (x ** 2).sum(1) + x[:, 0] * poison
+    ref = guidance.sample(net, x0, 10)
+    for name in ("coupled", "velocity_gradient", "state_gradient"):
+        x, st = guidance.sample(net, x0, 10, guide=guidance.make(name, cost=poisoned, scale=1.0),
+                                return_stats=True)
+        assert st.n_nonfinite_grad == 10 and st.n_nonfinite_output == 0, name
+        assert torch.isfinite(x).all()
+        assert torch.allclose(x[0], ref[0], atol=1e-5), name  # zeroed gradient: unguided step
+        assert not torch.allclose(x[1:], ref[1:]), name       # the others are still guided
+
+
+def test_cfg_weights_interpolate_between_unconditional_and_conditional():
+    tb = testbed.make_testbed("gmm2d_class", n_data=2000)
+    v = tb.velocity(tb.oracle())
+    x0 = torch.randn(512, 2, generator=torch.Generator().manual_seed(0))
+    cond = guidance.sample(v, x0, 10)
+    uncond = guidance.sample(lambda x, t: v(x, t, drop_cond=True), x0, 10)
+    assert torch.equal(guidance.sample(v, x0, 10, guide=guidance.make("cfg", scale=1.0)), cond)
+    assert torch.equal(guidance.sample(v, x0, 10, guide=guidance.make("cfg", scale=0.0)), uncond)
+    _, st = guidance.sample(v, x0, 10, guide=guidance.make("cfg", scale=2.0), return_stats=True)
+    assert st.nfe == 20
+    with pytest.raises(ValueError, match="no cost"):
+        guidance.make("cfg", cost=tb.cost)
+
+
+def test_costs_geometry_and_image_operators():
+    start = torch.zeros(3)
+    path = costs.EEPath(start, step_size=0.1)
+    chunk = torch.zeros(2, 5, 7)
+    chunk[:, :, 0] = 1.0  # moves +x 0.1 m per step: points x = 0.1 .. 0.5
+    obs = costs.ObstacleCost(path, [Sphere([0.3, 0.0, 0.0], 0.05)], margin=0.0, weight=1.0)
+    assert torch.allclose(obs(chunk), torch.full((2,), 0.05 ** 2), rtol=1e-3)
+    far = costs.ObstacleCost(path, [Box([0.3, 1.0, 0.0], [0.1, 0.1, 0.1]),
+                                    Capsule([0, 1, 0], [1, 1, 0], 0.1)], margin=0.02)
+    assert torch.equal(far(chunk), torch.zeros(2))
+    goal = costs.GoalCost(path, torch.tensor([0.5, 0.0, 0.0]))
+    assert torch.allclose(goal(chunk), torch.zeros(2), atol=1e-10)
+    lim = costs.LimitCost(-0.5, 0.5)
+    assert float(lim(chunk)[0]) == pytest.approx(100.0 * 5 * 0.25)
+    # a point at a sphere centre or deep in a box still has a finite gradient
+    pts = torch.zeros(1, 1, 3, requires_grad=True)
+    (Sphere([0, 0, 0], 0.1).sdf(pts).sum() + Box([0, 0, 0], [1, 1, 1]).sdf(pts).sum()).backward()
+    assert torch.isfinite(pts.grad).all()
+    img = torch.rand(2, 3, 8, 8)
+    for cost in (costs.super_resolution(torch.zeros(3, 4, 4), factor=2),
+                 costs.deblurring(torch.zeros(3, 8, 8), blur_sigma=1.0),
+                 costs.inpainting(torch.ones(8, 8), torch.zeros(3, 8, 8))):
+        assert cost(img).shape == (2,) and bool((cost(img) > 0).all())
+    with pytest.raises(ValueError, match=r"\(3, 4, 4\)"):
+        costs.super_resolution(torch.zeros(3, 4, 4), factor=2)(torch.rand(2, 3, 6, 6))
+
+
+def test_image_inpainting_projection_is_exact():
+    mask = torch.zeros(8, 8)
+    mask[:, :4] = 1
+    y = torch.rand(1, 8, 8)
+    net = TinyNet((1, 8, 8))
+    cost = costs.inpainting(mask, y, sigma=0.1)
+    x = guidance.sample(net, torch.randn(3, 1, 8, 8), 10,
+                        guide=guidance.make("coupled", cost=cost, project=cost))
+    assert torch.allclose(x[:, :, :, :4], y[:, :, :4].expand(3, 1, 8, 4), atol=1e-6)
+
+
+def test_distances_behave():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2000, 2, generator=g), torch.randn(2000, 2, generator=g)
+    shifted = b + torch.tensor([1.0, 0.0])
+    assert distances.sliced_wasserstein(a, a) == 0.0 and distances.mmd(a, a) == 0.0
+    assert distances.sliced_wasserstein(a, b) < 0.1 < distances.sliced_wasserstein(a, shifted)
+    assert distances.mmd(a, b) < 0.05 < distances.mmd(a, shifted)
+
+
+def test_mlp_flow_model_trains_on_the_testbed(tmp_path):
+    tb = testbed.make_testbed("gmm2d_linear", n_data=4000)
+    cfg = testbed.TrainConfig(steps=500, batch=256, hidden=64, lr=1e-2)
+    model = testbed.train_velocity(tb, cfg, cache_dir=tmp_path)
+    assert list(tmp_path.glob("*.safetensors"))  # cached
+    again = testbed.train_velocity(tb, cfg, cache_dir=tmp_path)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+    p, _ = tb.mixture.sample(2000, torch.Generator().manual_seed(1))
+    x0 = torch.randn(2000, 2, generator=torch.Generator().manual_seed(2))
+    untrained = testbed.MLPVelocity(2, 64)
+    d_trained = distances.sliced_wasserstein(guidance.sample(tb.velocity(model), x0), p)
+    d_untrained = distances.sliced_wasserstein(guidance.sample(lambda x, t: untrained(x, t), x0), p)
+    assert d_trained < 0.5 * d_untrained
