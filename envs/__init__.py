@@ -48,6 +48,10 @@ for _name in ("PnPCounterToCab", "OpenSingleDoor", "CloseDrawer", "TurnOnSinkFau
     register(f"robocasa/{_name}", "robocasa", "envs.robocasa:make_robocasa",
              description=f"RoboCasa {_name} (requires robocasa and its kitchen assets)", task=_name)
 
+# ---- learned world models (``groundflow train world-model``) ------------------------------
+register("worldmodel", "worldmodel", "envs.world_model:make_world_model_env",
+         description="learned ensemble dynamics model as an env (path=DIR)")
+
 SUITES = {"tabletop": "maniskill/TabletopSuite-v1", "kitchen": "robosuite/KitchenSuite"}
 
 

@@ -80,4 +80,7 @@ def _load_optional_commands() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m train.cli`: run the imported module's main so that commands registered by
+    # train.commands (which imports train.cli, not __main__) are visible.
+    from train.cli import main as _main
+    sys.exit(_main())

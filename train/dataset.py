@@ -30,11 +30,13 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
+from envs.errors import GroundflowError
+
 FORMAT = "groundflow-dataset"
 VERSION = 1
 
 
-class DatasetError(Exception):
+class DatasetError(GroundflowError, ValueError):
     """A dataset that is missing, truncated, incomplete or inconsistent."""
 
 
@@ -78,8 +80,8 @@ class EpisodeBuffer:
         self.actions.append(np.asarray(action, np.float32))
         self.rewards.append(float(reward))
         self.successes.append(bool(success))
-        if sim_state is not None:
-            self.sim_states.append(np.asarray(sim_state, np.float32))
+        if sim_state is not None:  # native dtype: float64 MuJoCo states must round-trip exactly
+            self.sim_states.append(np.array(sim_state, copy=True))
         for cam, img in (obs.get("images") or {}).items():
             self.images.setdefault(cam, []).append(np.asarray(img, np.uint8))
 
@@ -96,7 +98,7 @@ class EpisodeBuffer:
             images={c: np.stack(v) for c, v in self.images.items()} or None,
             sim_state=np.stack(self.sim_states) if len(self.sim_states) == len(self.actions) else None,
             final_state=None if final_obs is None else np.asarray(final_obs["state"], np.float32),
-            final_sim_state=None if final_sim_state is None else np.asarray(final_sim_state, np.float32))
+            final_sim_state=None if final_sim_state is None else np.array(final_sim_state, copy=True))
 
 
 class DatasetWriter:
@@ -137,10 +139,12 @@ class DatasetWriter:
         g.create_dataset("action", data=ep.action.astype(np.float32))
         g.create_dataset("reward", data=np.asarray(ep.reward, np.float32).reshape(T))
         g.create_dataset("success", data=np.asarray(ep.success, bool).reshape(T))
-        for name in ("sim_state", "final_state", "final_sim_state"):
+        if ep.final_state is not None:
+            g.create_dataset("final_state", data=np.asarray(ep.final_state, np.float32))
+        for name in ("sim_state", "final_sim_state"):  # simulator states keep their dtype (exact replay)
             v = getattr(ep, name)
             if v is not None:
-                g.create_dataset(name, data=np.asarray(v, np.float32))
+                g.create_dataset(name, data=np.asarray(v))
         for cam in self.cameras:
             if not ep.images or cam not in ep.images:
                 raise DatasetError(f"episode lacks images of camera {cam!r}")

@@ -1,0 +1,382 @@
+"""Counterfactual world-model debugging: which steps' model errors caused the real-vs-model gap?
+
+    from deploy.debugging import DebugConfig, Outcome, debug
+    result = debug(model_env, policy, real_episode, DebugConfig(outcome=Outcome("return")))
+    result.causal            # ranked steps: marginal effect, error type, error size
+    result.to_dict()         # raw numbers (JSON)
+
+``f(S)`` is the outcome of a hybrid rollout: the policy runs in the world model from the real
+initial state, and the model's residuals along the real trajectory are added at the steps in
+``S`` (see :mod:`deploy.debugging_rollouts`). ``f({})`` is the model's promise, ``f(all)`` the real
+outcome. A patch *reproduces* the real outcome when ``|f(S) - f(all)| <= tol`` with
+``tol = max(abs_tol, rel_tol * |f(all) - f({})|)``.
+
+Search (``attribute``): QuickXplain-style divide and conquer over time. The candidate steps are
+split into an earlier and a later half; if patching the earlier half (together with what is
+already known to be needed) reproduces the outcome, the later half changes nothing and is
+dropped whole; otherwise the later half is searched with the earlier half kept patched, then
+the earlier half with only the later half's culprits kept -- which is how interacting causes
+(needed together) are found. With ``k`` causes among ``T`` steps this takes about
+``2 k log2(T / k) + k`` rollouts. The result ``S*`` is 1-minimal. If the outcome is still
+reproduced with ``S*`` removed, redundant causes exist (either alone suffices); they are
+searched again in what remains (``alternatives``). Each causal step is ranked by its marginal
+effect ``f(S*) - f(S* \\ {t})`` and typed by which channel (state, reward, observation) of its
+residual carries the effect.
+
+``exhaustive_ablation`` is the reference: one rollout per step, ``f(all) - f(all \\ {t})``. With
+``max_rollouts`` set (e.g. ``T + 2``), a search that reaches it (many causes, k ~ T / log T, or strongly
+interacting errors) finishes with that single-step ablation instead.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from deploy.debugging_rollouts import (CHANNELS, NC, DebuggingError, EnvModel, HybridRollouts, ModelStateError,
+                                       Outcome, Residuals, RolloutBudgetExceeded, StateLayoutError, TrajectoryError,
+                                       action_reproduction_error, compute_residuals, real_trajectory)
+from envs.base import GroundflowEnv
+from train.dataset import Episode
+
+__all__ = ["DebugConfig", "Outcome", "Attribution", "StepAttribution", "Ablation", "Prepared", "debug", "prepare",
+           "attribute", "exhaustive_ablation", "DebuggingError", "TrajectoryError", "StateLayoutError",
+           "ModelStateError", "RolloutBudgetExceeded", "debug_command"]
+
+
+@dataclass
+class DebugConfig:
+    outcome: Outcome = field(default_factory=Outcome)
+    rel_tol: float = 0.1
+    """a patch reproduces the real outcome within rel_tol * |gap| ..."""
+    abs_tol: float = 1e-6
+    """... and never tighter than abs_tol (outcome units)"""
+    min_gap: float = 0.0
+    """a gap |f(all) - f({})| at or below this is "no gap": nothing is attributed ..."""
+    min_gap_rel: float = 1e-6
+    """... nor at or below this fraction of the outcome's magnitude (float round-off)"""
+    find_alternatives: bool = True
+    """search again for redundant causes when the outcome survives removing S*"""
+    max_alternatives: int = 3
+    explain_channels: bool = True
+    """type each causal step by removing one residual channel at a time (extra rollouts)"""
+    dense_fraction: float = 0.25
+    """|S*| above this fraction of the candidate steps: report the gap as dense"""
+    max_rollouts: int | None = None
+    """stop the search after this many hybrid rollouts (report it; nothing is blamed)"""
+    checkpoint_stride: int | None = None
+    check_actions: bool = True
+    """check that the policy reproduces the recorded actions (deterministic, same checkpoint)"""
+    seed: int = 0
+
+    def validate(self) -> "DebugConfig":
+        for name in ("rel_tol", "abs_tol", "min_gap", "min_gap_rel"):
+            v = getattr(self, name)
+            if not np.isfinite(v) or v < 0:
+                raise DebuggingError(f"{name} must be a finite number >= 0, got {v}")
+        if self.rel_tol >= 1:
+            raise DebuggingError(f"rel_tol must be < 1 (a fraction of the gap), got {self.rel_tol}")
+        return self
+
+
+@dataclass
+class StepAttribution:
+    step: int
+    effect: float
+    """f(S*) - f(S* without this step): how much of the outcome this step's error carries"""
+    error_type: str
+    """state | reward | observation | combined (the channel whose removal changes the outcome most)"""
+    channel_effects: dict[str, float]
+    size: dict[str, float]
+    """L2 norm of the residual per channel"""
+    normalized_size: dict[str, float]
+    """size relative to the trajectory's own scale (comparable across channels)"""
+    cause_set: int = 0
+    """0: the primary causal set S*; i > 0: the i-th alternative (redundant) set"""
+
+
+@dataclass
+class Attribution:
+    env_id: str
+    T: int
+    outcome: str
+    model_outcome: float
+    hybrid_real_outcome: float
+    real_outcome: float | None
+    gap: float
+    tol: float
+    no_gap: bool
+    message: str
+    causal: list[StepAttribution] = field(default_factory=list)
+    causal_sets: list[list[int]] = field(default_factory=list)
+    causal_outcome: float | None = None
+    verified: bool = True
+    dense: bool = False
+    fell_back: bool = False
+    """the search hit max_rollouts and finished with single-step ablation"""
+    reproduction_error: float | None = None
+    action_error: float | None = None
+    candidates: int = 0
+    rollouts: int = 0
+    search_rollouts: int = 0
+    explain_rollouts: int = 0
+    steps_simulated: int = 0
+    seconds: float = 0.0
+    history: list[dict] = field(default_factory=list)
+    magnitudes: np.ndarray | None = None
+    normalized_magnitudes: np.ndarray | None = None
+    traces: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> list[int]:
+        """Every causal step (primary and alternative sets), sorted."""
+        return sorted({s for S in self.causal_sets for s in S})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("magnitudes", "normalized_magnitudes"):
+            v = getattr(self, k)
+            d[k] = None if v is None else {c: v[:, i].tolist() for i, c in enumerate(CHANNELS)}
+        return d
+
+
+# ----- setup -----------------------------------------------------------------------------------
+
+@dataclass
+class Prepared:
+    model: EnvModel
+    engine: HybridRollouts
+    residuals: Residuals
+    candidates: list[int]
+    action_error: float | None
+    config: DebugConfig | None = None
+
+    def fresh_engine(self) -> HybridRollouts:
+        """A new engine on the same residuals with an empty cache (for fair rollout counts)."""
+        e = self.engine
+        return HybridRollouts(e.model, e.policy.policy, e.traj, e.res, e.outcome, e.stride, self.config.seed
+                              if self.config else 0)
+
+
+def prepare(model_env: GroundflowEnv, policy: Any, episode: Episode, config: DebugConfig,
+            on_rollout: Callable[[HybridRollouts], None] | None = None) -> Prepared:
+    """Validate inputs, compute residuals, and build the hybrid-rollout engine."""
+    config.validate()
+    model = EnvModel(model_env)
+    traj = real_trajectory(episode, model)
+    config.outcome.validate(model.obs_dim)
+    residuals = compute_residuals(model, traj)
+    for c in range(NC):
+        bad = ~np.all(np.isfinite(residuals.channel(c)), axis=1)
+        if bad.any():
+            raise TrajectoryError(f"{CHANNELS[c]} residuals are NaN/inf at steps {np.flatnonzero(bad)[:10].tolist()} "
+                                  f"(the world model {model.env_id} diverged on the real states)")
+    act_err = action_reproduction_error(model, policy, traj) if config.check_actions else None
+    engine = HybridRollouts(model, policy, traj, residuals, config.outcome, config.checkpoint_stride, config.seed,
+                            on_rollout)
+    nonzero = residuals.magnitudes().max(axis=1) > 0
+    return Prepared(model, engine, residuals, np.flatnonzero(nonzero).tolist(), act_err, config)
+
+
+# ----- search ----------------------------------------------------------------------------------
+
+def _quickxplain(reproduces: Callable[[frozenset], bool], candidates: list[int]) -> list[int]:
+    """1-minimal subset D of candidates with reproduces(D); assumes reproduces(candidates) and
+    not reproduces({})."""
+
+    def qx(B: frozenset, check: bool, C: list[int]) -> list[int]:
+        if check and reproduces(B):
+            return []
+        if len(C) == 1:
+            return C
+        mid = len(C) // 2
+        C1, C2 = C[:mid], C[mid:]
+        D2 = qx(B | frozenset(C1), True, C2)
+        D1 = qx(B | frozenset(D2), bool(D2), C1)
+        return D1 + D2
+
+    return sorted(qx(frozenset(), False, list(candidates)))
+
+
+def attribute(prep: Prepared, config: DebugConfig) -> Attribution:
+    """Run the search on a prepared engine (see the module docstring)."""
+    eng, U = prep.engine, prep.candidates
+    t_start = time.perf_counter()
+    eng.phase = "baseline"
+    all_items = eng.items(range(eng.T))
+    F0 = eng.f(frozenset())
+    FU = eng.f(all_items)
+    real = config.outcome.real_value(eng.traj)
+    gap = FU - F0
+    tol = max(config.abs_tol, config.rel_tol * abs(gap))
+    mags, nmags = prep.residuals.magnitudes(), prep.residuals.normalized_magnitudes(eng.traj)
+    out = Attribution(env_id=prep.model.env_id, T=eng.T, outcome=config.outcome.kind, model_outcome=F0,
+                      hybrid_real_outcome=FU, real_outcome=real, gap=gap, tol=tol, no_gap=False, message="",
+                      reproduction_error=None if real is None else abs(FU - real), action_error=prep.action_error,
+                      candidates=len(U), magnitudes=mags, normalized_magnitudes=nmags)
+    notes = []
+    if prep.action_error is not None and prep.action_error > 1e-4:
+        notes.append(f"the policy does not reproduce the recorded actions (max |a - a_real| = {prep.action_error:.3g}): "
+                     "a stochastic policy or another checkpoint; f(all) may differ from the real outcome")
+    if real is not None and abs(FU - real) > max(tol, 1e-6 * max(1.0, abs(real))):
+        notes.append(f"f(all) = {FU:.6g} does not reproduce the real outcome {real:.6g} (non-additive errors, "
+                     "a stochastic policy, or state the model does not carry); attributing the gap to f(all)")
+    min_gap = max(config.min_gap, config.min_gap_rel * max(abs(F0), abs(FU)))
+    if abs(gap) <= min_gap or not U:
+        out.no_gap = True
+        out.message = (f"no gap: the world model's outcome f({{}}) = {F0:.6g} and the real outcome f(all) = {FU:.6g} "
+                       f"differ by {abs(gap):.3g} <= {min_gap:.3g} (min_gap)" if U else
+                       "no gap: every residual is exactly zero (the model reproduces the real trajectory)")
+        out.message += "; nothing to attribute." + ("" if not notes else " Note: " + "; ".join(notes))
+        _finish(out, eng, t_start, 0)
+        out.traces = {"model": eng.result(frozenset()).trace.tolist(), "real (f(all))": eng.result(all_items).trace.tolist()}
+        return out
+
+    def reproduces(steps: frozenset) -> bool:
+        return abs(eng.f(eng.items(steps)) - FU) <= tol
+
+    def minimize(S: list[int]) -> list[int]:
+        """1-minimality: drop steps whose removal still reproduces (QuickXplain guarantees it only
+        for monotone outcomes; patched/unpatched boundaries can make it non-monotone)."""
+        while len(S) > 1:
+            vals = eng.f_many([eng.items(set(S) - {t}) for t in S])
+            spare = [(abs(v - FU), t) for t, v in zip(S, vals) if abs(v - FU) <= tol]
+            if not spare:
+                break
+            S = [t for t in S if t != min(spare)[1]]
+        return S
+
+    eng.max_rollouts = config.max_rollouts
+    try:
+        eng.phase = "search"
+        sets: list[list[int]] = []
+        remaining = list(U)
+        S = minimize(_quickxplain(reproduces, remaining))
+        sets.append(S)
+        remaining = [t for t in remaining if t not in set(S)]
+        eng.phase = "alternatives"
+        while (config.find_alternatives and remaining and len(sets) <= config.max_alternatives
+               and reproduces(frozenset(remaining))):
+            S = minimize(_quickxplain(reproduces, remaining))
+            sets.append(S)
+            remaining = [t for t in remaining if t not in set(S)]
+    except RolloutBudgetExceeded as e:
+        # more causes than a divide-and-conquer search pays off for (k ~ T / log T): finish with the
+        # reference, single-step ablation from the full patch (cached rollouts are reused)
+        eng.max_rollouts = None
+        out.fell_back = True
+        eng.phase = "ablation"
+        all_steps = eng.items(U)
+        vals = eng.f_many([all_steps - eng.items([t]) for t in U])
+        sets = [[t for t, v in zip(U, vals) if abs(FU - v) > tol]]
+        notes.append(f"the search {e} (max_rollouts) and fell back to single-step ablation over all "
+                     f"{len(U)} steps: the errors are too many or interact too much for divide and conquer")
+        if not sets[0]:
+            out.dense, out.verified = True, False
+            out.message = (f"gap {gap:+.4g} ({config.outcome.kind}: model {F0:.4g}, real {FU:.4g}); no single step "
+                           "matters on its own: the gap is dense; nothing is blamed. " + "; ".join(notes))
+            _finish(out, eng, t_start, eng.rollouts)
+            out.traces = {"model": eng.result(frozenset()).trace.tolist(),
+                          "real (f(all))": eng.result(all_items).trace.tolist()}
+            return out
+    eng.max_rollouts = None
+    eng.phase = "marginal"
+    primary = frozenset(sets[0])
+    f_star = eng.f(eng.items(primary))
+    out.causal_outcome, out.verified = f_star, abs(f_star - FU) <= tol
+    search_rollouts = eng.rollouts
+    causal: list[StepAttribution] = []
+    for i, S in enumerate(sets):
+        full = eng.items(S)
+        fS = eng.f(full)
+        without = eng.f_many([eng.items(set(S) - {t}) for t in S])
+        for t, fw in zip(S, without):
+            causal.append(StepAttribution(
+                step=int(t), effect=float(fS - fw), error_type="", channel_effects={},
+                size={c: float(mags[t, k]) for k, c in enumerate(CHANNELS)},
+                normalized_size={c: float(nmags[t, k]) for k, c in enumerate(CHANNELS)}, cause_set=i))
+    search_rollouts = eng.rollouts
+    eng.phase = "explain"
+    for a in causal:
+        full = eng.items(sets[a.cause_set])
+        fS = eng.f(full)
+        active = [k for k in range(NC) if mags[a.step, k] > 0]
+        if config.explain_channels and len(active) > 1:
+            # remove one channel at a time, largest (normalized) error first; stop once one
+            # channel carries most of the step's effect (usually after one rollout)
+            for k in sorted(active, key=lambda k: -nmags[a.step, k]):
+                a.channel_effects[CHANNELS[k]] = float(fS - eng.f(full - {a.step * NC + k}))
+                if abs(a.channel_effects[CHANNELS[k]]) > 0.5 * abs(a.effect):
+                    break
+        else:
+            a.channel_effects = {CHANNELS[k]: a.effect for k in active}
+        best = max(a.channel_effects.items(), key=lambda kv: abs(kv[1]), default=("state", 0.0))
+        a.error_type = best[0] if abs(best[1]) > 0.5 * abs(a.effect) or len(active) == 1 else "combined"
+    causal.sort(key=lambda a: (a.cause_set, -abs(a.effect)))
+    out.causal, out.causal_sets = causal, sets
+    out.dense = len(sets[0]) > config.dense_fraction * max(len(U), 1)
+    parts = [f"gap {gap:+.4g} ({config.outcome.kind}: model {F0:.4g}, real {FU:.4g}); "
+             f"{len(sets[0])} causal step(s) of {len(U)} reproduce it within {tol:.3g}"]
+    if len(sets) > 1:
+        parts.append(f"{len(sets) - 1} alternative causal set(s): each alone also produces the gap")
+    if not out.verified:
+        parts.append(f"warning: f(S*) = {f_star:.4g} does not reproduce f(all) within tol (interacting, "
+                     "non-monotone errors); treat the ranking with care")
+    if out.dense:
+        parts.append("the gap is dense: many small errors add up, no sparse set of steps explains it")
+    out.message = "; ".join(parts + notes)
+    _finish(out, eng, t_start, search_rollouts)
+    out.traces = {"model": eng.result(frozenset()).trace.tolist(), "real (f(all))": eng.result(all_items).trace.tolist(),
+                  "causal (f(S*))": eng.result(eng.items(primary)).trace.tolist()}
+    return out
+
+
+def _finish(out: Attribution, eng: HybridRollouts, t_start: float, search_rollouts: int) -> None:
+    out.rollouts = eng.rollouts
+    out.search_rollouts = search_rollouts or eng.rollouts
+    out.explain_rollouts = eng.rollouts - out.search_rollouts
+    out.steps_simulated = eng.steps
+    out.seconds = time.perf_counter() - t_start
+    out.history = [asdict(q) for q in eng.history]
+
+
+def debug(model_env: GroundflowEnv, policy: Any, episode: Episode, config: DebugConfig | None = None,
+          on_rollout: Callable[[HybridRollouts], None] | None = None) -> Attribution:
+    """Attribute the gap between the world model's outcome and the real one to time steps."""
+    config = config or DebugConfig()
+    return attribute(prepare(model_env, policy, episode, config, on_rollout), config)
+
+
+@dataclass
+class Ablation:
+    effects: np.ndarray  # (T,) f(all) - f(all \ {t}) (0 for steps with no residual)
+    causal: list[int]
+    rollouts: int
+    seconds: float
+    tol: float
+
+
+def exhaustive_ablation(prep: Prepared, config: DebugConfig) -> Ablation:
+    """Reference method: remove each step's residual from the full patch, one rollout per step."""
+    eng, U = prep.engine, prep.candidates
+    r0, t0 = eng.rollouts, time.perf_counter()
+    eng.phase = "exhaustive"
+    F0 = eng.f(frozenset())
+    all_items = eng.items(range(eng.T))
+    FU = eng.f(all_items)
+    tol = max(config.abs_tol, config.rel_tol * abs(FU - F0))
+    vals = eng.f_many([all_items - eng.items([t]) for t in U])
+    effects = np.zeros(eng.T)
+    effects[U] = FU - np.asarray(vals)
+    min_gap = max(config.min_gap, config.min_gap_rel * max(abs(F0), abs(FU)))
+    causal = [int(t) for t in U if abs(effects[t]) > tol] if abs(FU - F0) > min_gap else []
+    return Ablation(effects, causal, eng.rollouts - r0, time.perf_counter() - t0, tol)
+
+
+def debug_command(argv: list[str]) -> None:
+    """``groundflow debug`` (tyro CLI and report writing live in :mod:`deploy.debugging_report`)."""
+    from deploy.debugging_report import debug_command as run
+    run(argv)
