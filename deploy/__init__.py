@@ -1,1 +1,39 @@
-"""groundflow deploy."""
+"""groundflow deploy: robots, the policy server/client, the control loop, safety and recording.
+
+    from deploy import SimRobot, PolicyServer, PolicyClient, ControlLoop, LoopConfig
+    robot = SimRobot("maniskill/PushCube-v1"); robot.connect()
+    with PolicyServer(policy, port=8000):
+        client = PolicyClient("127.0.0.1", 8000, expect={"action_dim": 8, "state_dim": 35})
+        result = ControlLoop(robot, client, LoopConfig(rate_hz=20)).run_episode()
+
+Names are imported lazily so that ``import deploy`` pulls in neither a simulator nor a driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Robot": "deploy.robot", "RobotSpec": "deploy.robot",
+    "SimRobot": "deploy.sim_robot", "FrankaRobot": "deploy.franka", "URRobot": "deploy.ur",
+    "XArmRobot": "deploy.xarm", "FrankySim": "deploy.franka_sim",
+    "PolicyServer": "deploy.server", "PolicyClient": "deploy.client", "LocalPolicy": "deploy.client",
+    "SafetyLayer": "deploy.safety", "SafetyConfig": "deploy.safety",
+    "ControlLoop": "deploy.control", "LoopConfig": "deploy.control", "EpisodeResult": "deploy.control",
+    "Recorder": "deploy.recording", "RTCConfig": "deploy.rtc", "JointTargetPolicy": "deploy.scripted",
+    "evaluate_via_server": "deploy.evaluate",
+    "debug": "deploy.debugging", "prepare": "deploy.debugging", "attribute": "deploy.debugging",
+    "exhaustive_ablation": "deploy.debugging", "DebugConfig": "deploy.debugging", "Outcome": "deploy.debugging",
+    "Attribution": "deploy.debugging", "debug_command": "deploy.debugging",
+    "Fault": "deploy.debugging_faults", "FaultyEnv": "deploy.debugging_faults",
+    "record_episode": "deploy.debugging_faults",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'deploy' has no attribute {name!r}")

@@ -1,0 +1,253 @@
+"""``PolicyClient``: the robot-computer side of the policy server protocol (``deploy.protocol``).
+
+    client = PolicyClient("127.0.0.1", 8000, timeout=2.0, expect={"action_dim": 8, "state_dim": 35})
+    reply = client.infer(obs)          # reply.actions (H, A), reply.timing {"rtt_ms", "infer_ms", ...}
+
+The handshake checks both ways: the client compares the server's metadata with ``expect`` and
+the server compares the client's hello with its policy; either refuses with a message naming
+both sides. ``healthy`` turns False as soon as the connection drops (the websocket's reader
+thread sees the close), which the control loop's watchdog reads every tick.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deploy import protocol
+from deploy.errors import HandshakeError, PolicyUnavailableError, ProtocolError, ServerError
+
+
+@dataclass
+class ChunkReply:
+    actions: np.ndarray
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def parse_address(address: str, default_port: int = 8000) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``HOST``) -> (host, port), with a clear error for anything else."""
+    host, _, port = address.rpartition(":") if ":" in address else (address, "", str(default_port))
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"server address must be HOST:PORT, got {address!r}") from None
+    if not host or not 0 < p < 65536:
+        raise ValueError(f"server address must be HOST:PORT with 0 < PORT < 65536, got {address!r}")
+    return host, p
+
+
+class PolicyClient:
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 5.0, *,
+                 expect: dict[str, Any] | None = None, max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,
+                 connect: bool = True):
+        self.host, self.port, self.timeout = host, int(port), float(timeout)
+        self.expect = dict(expect or {})
+        self.max_message_bytes = int(max_message_bytes)
+        self.metadata: dict[str, Any] = {}
+        self._ws = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._failed: str | None = None
+        if connect:
+            self.connect()
+
+    @property
+    def uri(self) -> str:
+        return f"ws://{self.host}:{self.port}"
+
+    # ----- connection -----------------------------------------------------------------------
+    def connect(self) -> dict[str, Any]:
+        from websockets.exceptions import ConnectionClosed, InvalidHandshake
+        from websockets.sync.client import connect
+        try:
+            self._ws = connect(self.uri, compression=None, max_size=self.max_message_bytes,
+                               open_timeout=self.timeout, ping_interval=None, proxy=None)
+        except (OSError, InvalidHandshake, TimeoutError) as e:
+            raise PolicyUnavailableError(f"cannot connect to the policy server at {self.uri}: {e}") from e
+        try:
+            meta = protocol.unpack(self._ws.recv(timeout=self.timeout), self.max_message_bytes)
+            if meta.get("type") != "metadata" or meta.get("protocol") != protocol.PROTOCOL:
+                raise HandshakeError(f"{self.uri} is not a groundflow policy server (first message {meta.get('type')!r})")
+            if meta.get("version") != protocol.VERSION:
+                raise HandshakeError(f"protocol version mismatch: server {self.uri} speaks v{meta.get('version')}, "
+                                     f"this client v{protocol.VERSION}")
+            self._check_expectations(meta)
+            hello = {"type": "hello", "version": protocol.VERSION}
+            hello.update({k: self.expect.get(k) for k in ("action_dim", "state_dim", "cameras")})
+            if hello["cameras"] is not None:
+                hello["cameras"] = list(hello["cameras"])
+            self._ws.send(protocol.pack(hello))
+            answer = protocol.unpack(self._ws.recv(timeout=self.timeout), self.max_message_bytes)
+            if answer.get("type") == "error":
+                raise HandshakeError(f"policy server {self.uri} refused this client: {answer.get('message')}")
+            if answer.get("type") != "ready":
+                raise HandshakeError(f"unexpected handshake answer {answer.get('type')!r} from {self.uri}")
+        except (HandshakeError, ProtocolError):
+            self.close()
+            raise
+        except TimeoutError as e:
+            self.close()
+            raise PolicyUnavailableError(f"policy server {self.uri} did not finish the handshake in {self.timeout} s") from e
+        except ConnectionClosed as e:
+            self.close()
+            raise HandshakeError(f"policy server {self.uri} closed the connection during the handshake: "
+                                 f"{_close_reason(e)}") from e
+        self.metadata = meta
+        self._failed = None
+        return meta
+
+    def _check_expectations(self, meta: dict[str, Any]) -> None:
+        problems = []
+        for key in ("action_dim", "state_dim"):
+            want = self.expect.get(key)
+            if want is not None and meta.get(key) != want:
+                problems.append(f"{key}: server's policy has {meta.get(key)}, this client expects {want}")
+        cams = self.expect.get("cameras")
+        if cams is not None and not set(meta.get("cameras", [])) <= set(cams):
+            problems.append(f"cameras: server's policy needs {sorted(meta.get('cameras', []))}, "
+                            f"this client provides {sorted(cams)}")
+        if problems:
+            raise HandshakeError(f"policy server {self.uri} does not fit this client: " + "; ".join(problems))
+
+    @property
+    def healthy(self) -> bool:
+        """False once the connection dropped or a request failed for transport reasons."""
+        if self._ws is None or self._failed is not None:
+            return False
+        from websockets.protocol import State
+        return self._ws.protocol.state is State.OPEN
+
+    @property
+    def failure(self) -> str | None:
+        return self._failed
+
+    def close(self) -> None:
+        if self._ws is not None:
+            try:
+                self._ws.close()
+            except Exception:
+                pass
+        self._ws = None
+
+    def __enter__(self) -> "PolicyClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ----- requests -------------------------------------------------------------------------
+    def infer(self, obs: dict[str, Any], *, prefix: np.ndarray | None = None, frozen: int = 0,
+              seed: int | None = None) -> ChunkReply:
+        """Send one observation, return the chunk. ``prefix``/``frozen`` ask for RTC inpainting."""
+        msg: dict[str, Any] = {"type": "infer", "obs": _wire_obs(obs)}
+        if prefix is not None:
+            msg["prefix"] = np.asarray(prefix, np.float32)
+            msg["frozen"] = int(frozen)
+        if seed is not None:
+            msg["seed"] = int(seed)
+        reply, rtt = self._request(msg)
+        actions = protocol.check_chunk(reply.get("actions"), self.metadata["action_dim"])
+        timing = {k: float(v) for k, v in (reply.get("timing") or {}).items() if isinstance(v, (int, float))}
+        timing["rtt_ms"] = rtt * 1e3
+        timing["overhead_ms"] = timing["rtt_ms"] - timing.get("infer_ms", 0.0)
+        return ChunkReply(actions, timing)
+
+    def reset(self) -> None:
+        """Tell the server a new episode starts (clears the policy's cached chunk)."""
+        self._request({"type": "reset"})
+
+    def _request(self, msg: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        from websockets.exceptions import ConnectionClosed
+        with self._lock:
+            if self._ws is None:
+                raise PolicyUnavailableError(f"not connected to the policy server at {self.uri}")
+            req_id = next(self._ids)
+            msg["id"] = req_id
+            raw = protocol.pack(msg)
+            if len(raw) > self.max_message_bytes:
+                raise ProtocolError(f"request of {len(raw)} bytes exceeds the limit of {self.max_message_bytes} bytes")
+            t0 = time.perf_counter()
+            deadline = t0 + self.timeout
+            try:
+                self._ws.send(raw)
+                while True:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        raise TimeoutError
+                    reply = protocol.unpack(self._ws.recv(timeout=left), self.max_message_bytes)
+                    if reply.get("id") in (req_id, None):
+                        break  # replies to earlier, timed-out requests are dropped
+            except TimeoutError as e:
+                self._failed = f"no reply within {self.timeout} s"
+                raise PolicyUnavailableError(f"policy server {self.uri} did not answer within {self.timeout} s") from e
+            except ConnectionClosed as e:
+                self._failed = f"connection closed: {_close_reason(e)}"
+                if e.rcvd is not None and e.rcvd.code == 1009:
+                    raise ProtocolError(f"policy server {self.uri} refused an oversized message: {e.rcvd.reason}") from e
+                raise PolicyUnavailableError(f"policy server {self.uri} closed the connection: {_close_reason(e)}") from e
+            rtt = time.perf_counter() - t0
+        if reply.get("type") == "error":
+            raise ServerError(f"policy server error ({reply.get('code')}): {reply.get('message')}")
+        return reply, rtt
+
+
+def _wire_obs(obs: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"state": np.asarray(obs["state"], np.float32), "instruction": obs.get("instruction", "")}
+    if obs.get("images"):
+        out["images"] = {k: np.ascontiguousarray(v) for k, v in obs["images"].items()}
+    return out
+
+
+def _close_reason(e: Any) -> str:
+    frame = getattr(e, "rcvd", None)
+    if frame is None:
+        return "no close frame (connection lost)"
+    return f"code {frame.code}: {frame.reason or 'no reason given'}"
+
+
+class LocalPolicy:
+    """A policy in this process behind the ``PolicyClient`` interface (no network): for
+    simulation runs and to measure what the transport costs."""
+
+    def __init__(self, policy: Any):
+        from deploy.rtc import RTCConfig, supports_rtc
+        from deploy.server import policy_metadata
+        self.policy = policy
+        self.metadata = policy_metadata(policy, protocol.MAX_MESSAGE_BYTES, supports_rtc(policy))
+        self.rtc_config = RTCConfig()
+        self.healthy = True
+
+    def infer(self, obs: dict[str, Any], *, prefix: np.ndarray | None = None, frozen: int = 0,
+              seed: int | None = None) -> ChunkReply:
+        from deploy.rtc import prefix_guide
+        kwargs: dict[str, Any] = {}
+        if seed is not None:
+            _seed_everything(seed)
+        if prefix is not None:
+            kwargs["guide"] = prefix_guide(self.policy, prefix, frozen, self.rtc_config)
+        t0 = time.perf_counter()
+        actions = np.asarray(self.policy.predict_action_chunk(obs, **kwargs), np.float32)
+        ms = (time.perf_counter() - t0) * 1e3
+        return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"]),
+                          {"infer_ms": ms, "rtt_ms": ms, "overhead_ms": 0.0})
+
+    def reset(self) -> None:
+        if hasattr(self.policy, "reset"):
+            self.policy.reset()
+
+    def close(self) -> None:
+        pass
+
+
+def _seed_everything(seed: int) -> None:
+    """Seed numpy, and torch when the policy uses it (never import torch just to seed it)."""
+    import sys
+    np.random.seed(seed % (2 ** 32))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)

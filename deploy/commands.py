@@ -1,0 +1,226 @@
+"""``groundflow serve`` and ``groundflow deploy``: the two deployment commands.
+
+    groundflow serve --ckpt runs/flow/ckpt --host 127.0.0.1 --port 8000
+    groundflow deploy --robot sim --env maniskill/PushCube-v1 --server 127.0.0.1:8000 --rate 20
+    groundflow deploy --robot franka --robot-host 172.16.0.2 --server 10.0.0.5:8000 --record runs/rec.h5
+    groundflow deploy --robot sim --lockstep --episodes 20     (evaluation through the server)
+
+``serve(argv)`` and ``deploy(argv)`` parse with tyro; train/cli.py registers them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Literal
+
+import tyro
+
+from envs.errors import InvalidOptionError
+
+
+@dataclass
+class ServeArgs:
+    ckpt: str | None = None
+    """checkpoint directory (policy.save); or use --scripted"""
+    scripted: Literal["joint_target"] | None = None
+    """serve a scripted bring-up policy instead of a checkpoint (needs --state-dim/--action-dim)"""
+    state_dim: int = 0
+    action_dim: int = 0
+    target: tuple[float, ...] = ()
+    """joint target of the scripted policy (rad)"""
+    host: str = "127.0.0.1"
+    """interface to listen on (loopback unless you mean to serve a robot computer)"""
+    port: int = 8000
+    device: str = "cpu"
+    max_message_mb: float = 16.0
+    """messages over this size are refused"""
+    rtc_sigma: float = 0.05
+    """real-time chunking: tolerance of the soft overlap target (normalized units)"""
+    seed: int = 0
+
+
+@dataclass
+class DeployArgs:
+    robot: Literal["franka", "ur", "xarm", "sim"] = "sim"
+    server: str = "127.0.0.1:8000"
+    """policy server HOST:PORT"""
+    rate: float = 20.0
+    """control rate (Hz)"""
+    robot_host: str = "127.0.0.1"
+    """robot address (franka/ur/xarm)"""
+    franky_sim: bool = False
+    """--robot franka: start franky-sim on loopback and drive it"""
+    env: str = "maniskill/PushCube-v1"
+    """--robot sim: env id"""
+    control_mode: str | None = None
+    """--robot sim: ManiSkill control mode"""
+    lockstep: bool = False
+    """--robot sim: step the env once per command, no sleeping (evaluation)"""
+    latency_ms: float = 0.0
+    """--robot sim: added observation latency"""
+    obs_noise: float = 0.0
+    """--robot sim: Gaussian state noise"""
+    action_delay: int = 0
+    """--robot sim: command delay in control steps"""
+    episodes: int = 1
+    """episodes to run (sim robots reset between them)"""
+    max_steps: int = 200
+    """control steps per episode"""
+    instruction: str | None = None
+    """language instruction sent with every observation (default: the robot's / env's)"""
+    rtc: bool = False
+    """real-time chunking (prefix inpainting on the server)"""
+    ensemble: float | None = None
+    """temporal ensembling coefficient (None: off)"""
+    record: str | None = None
+    """write every episode to this dataset (.h5)"""
+    overwrite: bool = False
+    """replace an existing --record file"""
+    timeout: float = 2.0
+    """policy request timeout (s)"""
+    watchdog_s: float = 0.25
+    """hold when no command was sent for this long (stalled loop)"""
+    velocity_scale: float = 1.0
+    """multiplies the robot's velocity limits (use < 1 for a first run)"""
+    limit_mode: Literal["clip", "reject"] = "clip"
+    """actions slightly past the joint limits: clip them, or reject them (hold)"""
+    workspace: tuple[float, float, float, float, float, float] | None = None
+    """xmin ymin zmin xmax ymax zmax of the TCP (franka)"""
+    relative_dynamics: float = 0.2
+    """franka: relative dynamics factor"""
+    status: bool = True
+    """live status line on stderr"""
+    seed: int = 0
+    """env seed (sim) and base seed of the policy's sampling noise"""
+    log_level: str = "WARNING"
+    """logging level (safety interventions log at WARNING)"""
+
+
+def load_policy(args: ServeArgs):
+    if (args.ckpt is None) == (args.scripted is None):
+        raise InvalidOptionError("give exactly one of --ckpt DIR or --scripted joint_target")
+    if args.ckpt is not None:
+        import policies
+        return policies.load(args.ckpt, device=args.device)
+    from deploy.scripted import JointTargetPolicy
+    if args.state_dim <= 0 or args.action_dim <= 0 or not args.target:
+        raise InvalidOptionError("--scripted joint_target needs --state-dim, --action-dim and --target")
+    return JointTargetPolicy(args.state_dim, args.action_dim, args.target)
+
+
+def serve(argv: list[str]) -> None:
+    args = tyro.cli(ServeArgs, args=argv, prog="groundflow serve")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from deploy.rtc import RTCConfig
+    from deploy.server import PolicyServer
+    policy = load_policy(args)
+    server = PolicyServer(policy, args.host, args.port, max_message_bytes=int(args.max_message_mb * 2 ** 20),
+                          rtc=RTCConfig(sigma=args.rtc_sigma))
+    server.bind()
+    _stop_on_sigterm()
+    print(json.dumps({k: v for k, v in server.metadata.items() if k != "type"}), flush=True)
+    print(f"serving on ws://{args.host}:{server.port} (Ctrl+C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (service managers, ``kill``) stops the server like Ctrl+C does."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def make_robot(args: DeployArgs, stack: list):
+    """The robot for ``args`` (and, with --franky-sim, the simulator it talks to)."""
+    if args.robot == "sim":
+        from deploy.sim_robot import SimRobot
+        opts = {"control_mode": args.control_mode} if args.control_mode else {}
+        return SimRobot(args.env, env_options=opts, seed=args.seed, latency_s=args.latency_ms / 1e3,
+                        obs_noise=args.obs_noise, action_delay=args.action_delay, realtime=not args.lockstep)
+    if args.robot == "franka":
+        from deploy.franka import FrankaRobot
+        host = args.robot_host
+        if args.franky_sim:
+            from deploy.franka_sim import FrankySim
+            sim = FrankySim().start()
+            stack.append(sim)
+            host = sim.host
+        return FrankaRobot(host, instruction=args.instruction or "", control_rate_hz=args.rate,
+                           relative_dynamics_factor=args.relative_dynamics)
+    if args.robot == "ur":
+        from deploy.ur import URRobot
+        return URRobot(args.robot_host, instruction=args.instruction or "", control_rate_hz=args.rate)
+    from deploy.xarm import XArmRobot
+    return XArmRobot(args.robot_host, instruction=args.instruction or "", control_rate_hz=args.rate)
+
+
+def deploy(argv: list[str]) -> None:
+    args = tyro.cli(DeployArgs, args=argv, prog="groundflow deploy")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
+    from deploy.client import PolicyClient, parse_address
+    from deploy.control import ControlLoop, LoopConfig
+    from deploy.recording import Recorder
+    from deploy.safety import SafetyConfig, SafetyLayer
+    if args.episodes < 1:
+        raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
+    host, port = parse_address(args.server)
+    stack: list = []
+    robot = make_robot(args, stack)
+    recorder = None
+    try:
+        robot.connect()
+        spec = robot.spec
+        client = PolicyClient(host, port, timeout=args.timeout,
+                              expect={"action_dim": spec.action_dim, "state_dim": spec.state_dim,
+                                      "cameras": list(spec.cameras)})
+        ws = args.workspace
+        fk = getattr(robot, "forward_kinematics", None) if ws else None
+        if ws and fk is None:
+            raise InvalidOptionError(f"--workspace needs forward kinematics, which robot {args.robot} does not provide")
+        safety_cfg = SafetyConfig(limit_mode=args.limit_mode, velocity_scale=args.velocity_scale,
+                                  watchdog_s=args.watchdog_s, workspace_low=ws[:3] if ws else None,
+                                  workspace_high=ws[3:] if ws else None)
+        safety = SafetyLayer(robot, safety_cfg, dt=1.0 / args.rate, fk=fk)
+        if args.record:
+            recorder = Recorder(args.record, spec, overwrite=args.overwrite,
+                                meta={"server": args.server, "rate_hz": args.rate})
+        cfg = LoopConfig(rate_hz=args.rate, max_steps=args.max_steps, realtime=not args.lockstep, rtc=args.rtc,
+                         ensemble=args.ensemble, status=args.status, seed=args.seed, instruction=args.instruction,
+                         max_hold_s=max(2.0, args.timeout))
+        loop = ControlLoop(robot, client, cfg, safety, recorder)
+        results = []
+        with safety.signal_stop():
+            if not args.lockstep:
+                safety.start_watchdog()
+            try:
+                for i in range(args.episodes):
+                    if hasattr(robot, "reset") and i > 0:
+                        robot.reset(args.seed + i)
+                    res = loop.run_episode(seed=args.seed + i)
+                    results.append(res.summary())
+                    print(json.dumps(results[-1]), flush=True)
+                    if res.reason in ("stop_signal", "driver_error"):
+                        break
+            finally:
+                safety.stop_watchdog()
+        if recorder is not None:
+            print(json.dumps({"recorded": str(recorder.close()), "episodes": recorder.n_episodes}))
+            recorder = None
+        client.close()
+    finally:
+        if recorder is not None:
+            recorder.abort()
+        if hasattr(robot, "close"):
+            robot.close()
+        else:
+            robot.disconnect()
+        for s in stack:
+            s.stop()

@@ -1,0 +1,415 @@
+"""The control loop: fixed rate, chunks refilled in the background, safety on every command.
+
+Each tick (period ``1 / rate_hz``): read the observation; adopt a chunk that arrived; request
+the next chunk early enough that it arrives before the current plan runs out (the lead is the
+measured round trip in ticks plus ``margin_steps``); send the planned action through the
+safety layer — or a hold when there is none (watchdog), when the policy connection is lost, or
+after a stop signal; record. Deadlines are accounted: every tick's start time is kept and the
+period jitter and overruns are reported; a late loop re-anchors instead of bursting to catch up.
+
+Options: real-time chunking (``rtc``: the request carries the plan for the steps it will take
+to arrive, which the server inpaints), temporal ensembling (``ensemble = m``: a chunk is
+requested every tick and overlapping predictions are averaged), and ``realtime=False`` for
+lockstep simulation (no sleeping, synchronous requests: same seed, same episode).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from deploy.chunking import ChunkPlan, TemporalEnsembler
+from deploy.client import ChunkReply
+from deploy.errors import DeployError, HandshakeError, PolicyUnavailableError
+from deploy.recording import Recorder
+from deploy.robot import Obs, Robot
+from deploy.safety import SafetyConfig, SafetyLayer
+from envs.errors import InvalidOptionError
+
+
+class ChunkSource(Protocol):
+    metadata: dict[str, Any]
+
+    def infer(self, obs: Obs, *, prefix: np.ndarray | None = None, frozen: int = 0,
+              seed: int | None = None) -> ChunkReply: ...
+
+    def reset(self) -> None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+@dataclass
+class LoopConfig:
+    rate_hz: float = 20.0
+    """control rate (Hz)"""
+    max_steps: int = 200
+    """episode length limit in control steps"""
+    n_exec: int | None = None
+    """steps of each chunk executed before the next takes over (default: the policy's)"""
+    realtime: bool = True
+    """False: lockstep simulation (no sleeping, synchronous requests)"""
+    rtc: bool = False
+    """real-time chunking via prefix inpainting (the server's policy must support it)"""
+    ensemble: float | None = None
+    """temporal ensembling coefficient m (None: off)"""
+    margin_steps: int = 1
+    """request the next chunk this many ticks earlier than the measured latency needs"""
+    max_hold_s: float = 2.0
+    """end the episode after holding this long because the policy was unavailable"""
+    stop_brake_s: float = 1.0
+    """after a stop signal, keep commanding holds this long (braking to rest), then end"""
+    status: bool = False
+    """print a live status line to stderr"""
+    seed: int | None = None
+    """base seed for the policy's sampling noise (per request: seed + step)"""
+    instruction: str | None = None
+    """overrides the robot's instruction"""
+
+    def __post_init__(self) -> None:
+        if not self.rate_hz > 0:
+            raise InvalidOptionError(f"rate_hz must be > 0, got {self.rate_hz}")
+        if self.max_steps < 1:
+            raise InvalidOptionError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.rtc and self.ensemble is not None:
+            raise InvalidOptionError("choose real-time chunking (rtc) or temporal ensembling, not both")
+
+
+@dataclass
+class EpisodeResult:
+    steps: int
+    success: bool
+    reason: str
+    """max_steps | done | stop_signal | driver_error | policy_lost"""
+    interventions: dict[str, int]
+    timing: dict[str, Any]
+    actions: np.ndarray = field(repr=False)
+    """commands the driver received, (T, A)"""
+    holds: list[int] = field(default_factory=list)
+    """steps at which a hold was sent"""
+    switches: list[int] = field(default_factory=list)
+    """steps at which a new chunk took over"""
+    deviations: list[float] = field(default_factory=list)
+    """at each switch, ||new chunk - old plan|| at the takeover step"""
+    events: list[dict] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("actions", "events"):
+            d.pop(k)
+        d["n_holds"] = len(self.holds)
+        d["n_chunks"] = len(self.switches)
+        d["plan_deviation_mean"] = float(np.mean(self.deviations)) if self.deviations else None
+        for k in ("holds", "switches", "deviations"):
+            d.pop(k)
+        return d
+
+
+class _Fetcher:
+    """One background request at a time: ``submit`` returns at once, ``poll`` takes the reply."""
+
+    def __init__(self, source: ChunkSource):
+        self.source = source
+        self._cv = threading.Condition()
+        self._job: tuple | None = None
+        self._done: tuple | None = None
+        self.error: BaseException | None = None
+        self.busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="chunk-fetcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, obs: Obs, step: int, prefix: np.ndarray | None, frozen: int, seed: int | None) -> bool:
+        with self._cv:
+            if self.busy or self._closed:
+                return False
+            self.busy = True
+            self._job = (obs, step, prefix, frozen, seed, time.perf_counter())
+            self._cv.notify()
+            return True
+
+    def poll(self) -> tuple[ChunkReply, int, float] | None:
+        with self._cv:
+            out, self._done = self._done, None
+            return out
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                obs, step, prefix, frozen, seed, t0 = self._job
+                self._job = None
+            try:
+                reply = self.source.infer(obs, prefix=prefix, frozen=frozen, seed=seed)
+                result, err = (reply, step, time.perf_counter() - t0), None
+            except BaseException as e:  # reported to the loop, which holds and decides
+                result, err = None, e
+            with self._cv:
+                self._done = result if result is not None else self._done
+                if err is not None:
+                    self.error = err
+                self.busy = False
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout=0.1)
+
+
+class ControlLoop:
+    """Runs episodes of ``source``'s policy on ``robot`` through ``safety`` (made if omitted)."""
+
+    def __init__(self, robot: Robot, source: ChunkSource, config: LoopConfig | None = None,
+                 safety: SafetyLayer | None = None, recorder: Recorder | None = None):
+        self.robot, self.source = robot, source
+        self.config = cfg = config or LoopConfig()
+        self.period = 1.0 / cfg.rate_hz
+        meta = getattr(source, "metadata", {}) or {}
+        spec = robot.spec
+        if meta.get("action_dim") not in (None, spec.action_dim):
+            raise HandshakeError(f"policy outputs {meta.get('action_dim')}-D actions, robot {spec.name} takes "
+                                 f"{spec.action_dim}-D actions")
+        if meta.get("state_dim") not in (None, spec.state_dim):
+            raise HandshakeError(f"policy expects {meta.get('state_dim')}-D states, robot {spec.name} gives "
+                                 f"{spec.state_dim}-D states")
+        if cfg.rtc and not meta.get("rtc", False):
+            raise InvalidOptionError(f"real-time chunking needs a policy that supports prefix inpainting; the "
+                                     f"server's policy ({meta.get('policy_kind') or 'unknown'}) does not")
+        self.horizon = int(meta.get("horizon", 1))
+        self.n_exec = int(cfg.n_exec or meta.get("n_exec") or self.horizon)
+        if not 1 <= self.n_exec <= self.horizon:
+            raise InvalidOptionError(f"n_exec must be in [1, horizon={self.horizon}], got {self.n_exec}")
+        self.safety = safety or SafetyLayer(robot, SafetyConfig(), dt=self.period)
+        self.recorder = recorder
+
+    # ----- one episode ----------------------------------------------------------------------
+    def run_episode(self, seed: int | None = None, task_id: int = 0) -> EpisodeResult:
+        cfg, robot, safety = self.config, self.robot, self.safety
+        if not getattr(self.source, "healthy", True) and hasattr(self.source, "connect"):
+            self.source.connect()  # the server was lost in an earlier episode: reconnect (or raise)
+        if hasattr(self.source, "reset"):
+            self.source.reset()
+        safety.reset()
+        counts0, t_start = dict(safety.counts), time.time()  # this episode's interventions only
+        plan = ChunkPlan(self.n_exec)
+        ens = TemporalEnsembler(cfg.ensemble) if cfg.ensemble is not None else None
+        fetcher = _Fetcher(self.source) if cfg.realtime else None
+        obs = self._observe()
+        # the first chunk is fetched before the clock starts (the robot is at rest)
+        reply = self.source.infer(obs, seed=self._seed(0))
+        if self.recorder is not None:
+            self.recorder.start_episode(obs["instruction"], task_id=task_id, seed=seed)
+        rtts = [reply.timing.get("rtt_ms", 0.0)]
+        infers = [reply.timing.get("infer_ms", 0.0)]
+        lat_steps = self._lat_steps(rtts[-1] / 1e3)
+        self._adopt(plan, ens, reply.actions, 0, 0)
+        sent: list[np.ndarray] = []
+        holds: list[int] = []
+        ticks: list[float] = []
+        sends: list[float] = []
+        work: list[float] = []
+        reason, hold_since, stop_at = "max_steps", None, None
+        lost: str | None = None
+        t_next = time.perf_counter()
+        last_status = 0.0
+        step = 0
+        try:
+            for step in range(cfg.max_steps):
+                if cfg.realtime:
+                    delay = t_next - time.perf_counter()
+                    if delay > 0:
+                        _sleep_until(t_next)
+                t_tick = time.perf_counter()
+                ticks.append(t_tick)
+                if step > 0:
+                    try:
+                        obs = self._observe()
+                    except Exception as e:  # the driver failed: hold, log, end the episode
+                        safety._event("driver_error", f"get_observation: {type(e).__name__}: {e}")
+                        safety.faulted = safety.faulted or f"{type(e).__name__}: {e}"
+                        _try(lambda: self.robot.send_action(safety._hold_target().astype(np.float32)))
+                        reason = "driver_error"
+                        break
+                # ---- adopt / request chunks --------------------------------------------
+                if fetcher is not None:
+                    got = fetcher.poll()
+                    if got is not None:
+                        rep, s, dt_req = got
+                        rtts.append(rep.timing.get("rtt_ms", dt_req * 1e3))
+                        infers.append(rep.timing.get("infer_ms", 0.0))
+                        lat_steps = self._lat_steps(float(np.median(rtts[-10:])) / 1e3)
+                        self._adopt(plan, ens, rep.actions, s, step)
+                    if self._need_chunk(plan, ens, step, lat_steps + cfg.margin_steps):
+                        prefix = plan.future(step) if cfg.rtc else None
+                        fetcher.submit(obs, step, prefix, lat_steps, self._seed(step))
+                elif self._need_chunk(plan, ens, step, 0):
+                    prefix = plan.future(step) if cfg.rtc else None
+                    try:
+                        rep = self.source.infer(obs, prefix=prefix, frozen=0, seed=self._seed(step))
+                        rtts.append(rep.timing.get("rtt_ms", 0.0))
+                        infers.append(rep.timing.get("infer_ms", 0.0))
+                        self._adopt(plan, ens, rep.actions, step, step)
+                    except DeployError as e:
+                        safety._event("watchdog", f"policy request failed: {e}")
+                # ---- command -------------------------------------------------------------
+                action = ens.action_at(step) if ens is not None else plan.action_at(step)
+                if fetcher is not None and fetcher.error is not None:
+                    err, fetcher.error = fetcher.error, None
+                    if isinstance(err, PolicyUnavailableError):
+                        lost = f"{type(err).__name__}: {err}"
+                    else:  # the server answered with an error: log it, ask again next tick
+                        safety._event("watchdog", f"policy request failed: {type(err).__name__}: {err}")
+                healthy = lost is None and bool(getattr(self.source, "healthy", True))
+                sim_state = self._sim_state()
+                if safety.stop_requested:
+                    stop_at = stop_at or t_tick
+                    cmd = safety.hold("")
+                    holds.append(step)
+                elif action is None or not healthy:
+                    why = "no fresh action (plan used up)" if healthy else f"policy unavailable: {lost or 'connection lost'}"
+                    cmd = safety.hold("watchdog", why)
+                    holds.append(step)
+                    hold_since = hold_since or t_tick
+                else:
+                    cmd = safety.command(action)
+                    hold_since = None
+                if safety.faulted:  # the driver did not take this command: not executed, not recorded
+                    reason = "driver_error"
+                    break
+                sends.append(time.perf_counter())
+                sent.append(cmd)
+                self._record(obs, cmd, sim_state)
+                work.append(time.perf_counter() - t_tick)
+                if cfg.status and t_tick - last_status > 0.5:
+                    last_status = t_tick
+                    self._status(step, ticks, rtts, len(holds))
+                # ---- end conditions ----------------------------------------------------
+                if stop_at is not None and t_tick - stop_at >= cfg.stop_brake_s:
+                    reason = "stop_signal"
+                    break
+                if getattr(robot, "done", False):
+                    reason = "done"
+                    break
+                if hold_since is not None and not healthy and t_tick - hold_since >= cfg.max_hold_s:
+                    reason = "policy_lost"
+                    break
+                t_next += self.period
+                if cfg.realtime and time.perf_counter() > t_next + self.period:
+                    t_next = time.perf_counter()  # fell behind by more than a tick: re-anchor
+        finally:
+            if fetcher is not None:
+                fetcher.close()
+            if cfg.status:
+                sys.stderr.write("\n")
+            if self.recorder is not None:
+                self._end_recording(reason)
+        result = EpisodeResult(
+            steps=len(sent), success=bool(getattr(robot, "success", False)), reason=reason,
+            interventions={k: v - counts0.get(k, 0) for k, v in safety.summary()["counts"].items()}, timing=_timing(ticks, sends, work, self.period, rtts, infers),
+            actions=np.asarray(sent, np.float32).reshape(len(sent), -1), holds=holds,
+            switches=list(plan.switches) if ens is None else [], deviations=list(plan.deviations),
+            events=[e for e in safety.events if e["t"] >= t_start])
+        return result
+
+    # ----- helpers --------------------------------------------------------------------------
+    def _observe(self) -> Obs:
+        obs = self.robot.get_observation()
+        if self.config.instruction:
+            obs["instruction"] = self.config.instruction
+        return obs
+
+    def _seed(self, step: int) -> int | None:
+        return None if self.config.seed is None else int(self.config.seed) * 100_003 + step
+
+    def _lat_steps(self, latency_s: float) -> int:
+        return int(math.ceil(max(latency_s, 0.0) / self.period))
+
+    def _need_chunk(self, plan: ChunkPlan, ens: TemporalEnsembler | None, step: int, lat_steps: int) -> bool:
+        if ens is not None:
+            return True  # ensembling wants a fresh prediction every tick
+        return plan.steps_left(step) <= lat_steps
+
+    def _adopt(self, plan: ChunkPlan, ens: TemporalEnsembler | None, actions: np.ndarray, start: int, now: int) -> None:
+        if ens is not None:
+            ens.add(actions, start)
+        elif now - start < len(actions):
+            plan.set(actions, start, now)
+
+    def _sim_state(self) -> np.ndarray | None:
+        if self.recorder is None or not hasattr(self.robot, "sim_state"):
+            return None
+        return self.robot.sim_state()
+
+    def _record(self, obs: Obs, cmd: np.ndarray, sim_state: np.ndarray | None) -> None:
+        if self.recorder is None:
+            return
+        info = getattr(self.robot, "last_info", {}) or {}
+        self.recorder.add(obs, cmd, float(getattr(self.robot, "last_reward", 0.0)),
+                          bool(info.get("success", False)), sim_state)
+
+    def _end_recording(self, reason: str) -> None:
+        try:
+            final = self.robot.get_observation()
+        except Exception:
+            final = None
+        final_sim = self.robot.sim_state() if hasattr(self.robot, "sim_state") else None
+        self.recorder.end_episode(final, final_sim, {"reason": reason, **self.safety.summary()})
+
+    def _status(self, step: int, ticks: list[float], rtts: list[float], n_holds: int) -> None:
+        p = np.diff(ticks[-50:]) * 1e3 if len(ticks) > 2 else np.zeros(1)
+        n_int = sum(v for k, v in self.safety.counts.items())
+        sys.stderr.write(f"\rstep {step + 1}/{self.config.max_steps} | {1e3 / max(p.mean(), 1e-9):5.1f} Hz | "
+                         f"jitter p99 {np.percentile(np.abs(p - self.period * 1e3), 99):5.2f} ms | "
+                         f"rtt {rtts[-1]:6.1f} ms | holds {n_holds} | interventions {n_int}   ")
+        sys.stderr.flush()
+
+
+def _try(fn: Any) -> None:
+    try:
+        fn()
+    except Exception:
+        pass
+
+
+def _sleep_until(t: float) -> None:
+    """Sleep most of the wait, then spin the last ~1 ms (time.sleep overshoots by ~0.1-1 ms)."""
+    while True:
+        left = t - time.perf_counter()
+        if left <= 0:
+            return
+        if left > 0.0015:
+            time.sleep(left - 0.001)
+
+
+def _timing(ticks: list[float], sends: list[float], work: list[float], period: float, rtts: list[float],
+            infers: list[float]) -> dict[str, Any]:
+    """Tick-start jitter (the loop's clock) and command jitter (when the driver got each command:
+    what the robot sees), |actual period - nominal|; work per tick; request round trips."""
+    out: dict[str, Any] = {"period_ms": period * 1e3}
+    if len(ticks) > 1:
+        p = np.diff(ticks) * 1e3
+        j = np.abs(p - period * 1e3)
+        out.update(period_p50_ms=float(np.percentile(p, 50)), jitter_p50_ms=float(np.percentile(j, 50)),
+                   jitter_p99_ms=float(np.percentile(j, 99)), jitter_max_ms=float(j.max()))
+    if len(sends) > 1:
+        j = np.abs(np.diff(sends) * 1e3 - period * 1e3)
+        out.update(command_jitter_p50_ms=float(np.percentile(j, 50)), command_jitter_p99_ms=float(np.percentile(j, 99)),
+                   command_jitter_max_ms=float(j.max()))
+    if work:
+        w = np.asarray(work) * 1e3
+        out.update(work_p50_ms=float(np.percentile(w, 50)), work_p99_ms=float(np.percentile(w, 99)),
+                   overruns=int((w > period * 1e3).sum()))
+    if rtts:
+        out.update(rtt_p50_ms=float(np.percentile(rtts, 50)), rtt_p99_ms=float(np.percentile(rtts, 99)),
+                   infer_p50_ms=float(np.percentile(infers, 50)), n_requests=len(rtts))
+    return out

@@ -1,0 +1,37 @@
+"""Errors the deploy stack raises on purpose: each names the problem and what would be valid."""
+
+from __future__ import annotations
+
+from envs.errors import GroundflowError
+
+
+class DeployError(GroundflowError):
+    """Base class of deploy errors."""
+
+
+class DriverMissingError(DeployError, ImportError):
+    """A robot driver package (franky, ur-rtde, xarm-python-sdk) is not installed or unsupported here."""
+
+
+class RobotConnectionError(DeployError, ConnectionError):
+    """The robot (or its simulator) did not answer, or the connection dropped."""
+
+
+class RobotCommandError(DeployError, RuntimeError):
+    """The robot refused or failed a command (controller error code, protective stop, ...)."""
+
+
+class ProtocolError(DeployError, ValueError):
+    """A policy-server message that is malformed, oversized or of an unknown type."""
+
+
+class HandshakeError(DeployError, ValueError):
+    """Client and policy server disagree on action/state dimensions, cameras or protocol version."""
+
+
+class ServerError(DeployError, RuntimeError):
+    """The policy server answered a request with an error (the message is the server's)."""
+
+
+class PolicyUnavailableError(DeployError, ConnectionError):
+    """The policy server stopped answering (closed connection or timeout)."""

@@ -1,0 +1,82 @@
+"""Evaluate a served policy in simulation through the deployment path (client, loop, safety).
+
+The same code that drives a real arm drives a ``SimRobot``: what is measured here is what the
+policy does behind the transport, the chunk scheduling and the safety layer. Lockstep by
+default (``realtime=False``): episode ``i`` uses env seed ``seed + i`` and sampling seed
+``seed + i``, so two evaluations of the same checkpoint give the same episodes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from deploy.client import PolicyClient, parse_address
+from deploy.control import ControlLoop, LoopConfig
+from deploy.recording import Recorder
+from deploy.safety import SafetyConfig, SafetyLayer
+from deploy.sim_robot import SimRobot
+
+
+def wilson_ci(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return (max(0.0, c - h), min(1.0, c + h))
+
+
+def evaluate_via_server(env_id: str, server: str | Any = "127.0.0.1:8000", n_episodes: int = 10, seed: int = 0,
+                        env_options: dict | None = None, max_steps: int | None = None, realtime: bool = False,
+                        rate_hz: float | None = None, rtc: bool = False, ensemble: float | None = None,
+                        timeout: float = 10.0, record: str | None = None, overwrite: bool = False,
+                        safety: SafetyConfig | None = None, robot_options: dict | None = None) -> dict[str, Any]:
+    """Run ``n_episodes`` of ``env_id`` with the policy served at ``server`` (``HOST:PORT`` or a
+    connected client); returns the success rate with its 95% CI and per-episode results."""
+    if n_episodes < 1:
+        raise ValueError(f"n_episodes must be >= 1, got {n_episodes}")
+    robot = SimRobot(env_id, env_options=env_options, seed=seed, realtime=realtime, **(robot_options or {}))
+    robot.connect()
+    own_client = isinstance(server, str)
+    client = server
+    if own_client:
+        host, port = parse_address(server)
+        client = PolicyClient(host, port, timeout=timeout,
+                              expect={"action_dim": robot.spec.action_dim, "state_dim": robot.spec.state_dim,
+                                      "cameras": list(robot.spec.cameras)})
+    recorder = Recorder(record, robot.spec, env_id=env_id, overwrite=overwrite,
+                        meta={"server": getattr(client, "uri", "local")}) if record else None
+    episodes: list[dict[str, Any]] = []
+    rtts: list[float] = []
+    try:
+        for i in range(n_episodes):
+            robot.reset(seed + i)
+            cfg = LoopConfig(rate_hz=rate_hz or robot.spec.control_rate_hz,
+                             max_steps=max_steps or int(getattr(robot.env, "max_episode_steps", 200)),
+                             realtime=realtime, rtc=rtc, ensemble=ensemble, seed=seed + i)
+            loop = ControlLoop(robot, client, cfg, SafetyLayer(robot, safety, dt=1.0 / cfg.rate_hz), recorder)
+            res = loop.run_episode(seed=seed + i, task_id=int(robot.reset_info.get("task_id", 0)))
+            episodes.append({"seed": seed + i, "success": res.success, "steps": res.steps, "reason": res.reason,
+                             "interventions": sum(res.interventions.values()), "holds": len(res.holds)})
+            if "rtt_p50_ms" in res.timing:
+                rtts.append(res.timing["rtt_p50_ms"])
+        if recorder is not None:
+            recorder.close()
+    except BaseException:
+        if recorder is not None:
+            recorder.abort()
+        raise
+    finally:
+        if own_client:
+            client.close()
+        robot.close()
+    k = sum(e["success"] for e in episodes)
+    lo, hi = wilson_ci(k, len(episodes))
+    return {"env_id": env_id, "n_episodes": len(episodes), "success_rate": k / len(episodes), "ci95": [lo, hi],
+            "rtt_p50_ms": float(np.median(rtts)) if rtts else None, "episodes": episodes,
+            "record": record}

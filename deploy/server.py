@@ -1,0 +1,219 @@
+"""``PolicyServer``: serve a policy over websockets + msgpack (the GPU workstation side).
+
+One request is one observation, one reply is one action chunk in env units with the server's
+timing. On connect the server sends its metadata (dims, cameras, chunk size, protocol version)
+and refuses a client whose dims or cameras differ, with a message that names both sides. Bad
+requests (malformed msgpack, wrong shapes, unknown types, failing inference) get an error reply
+and the connection stays open; a message over ``max_message_bytes`` is closed by the websocket
+layer with code 1009 and its reason. The server keeps serving other and later clients either
+way. Inference is serialized by a lock (one policy, one device).
+
+Loopback (127.0.0.1) is the default: serving on another interface must be asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from deploy import protocol
+from deploy.errors import ProtocolError
+from deploy.rtc import RTCConfig, prefix_guide, supports_rtc
+
+log = logging.getLogger("groundflow.deploy.server")
+
+
+def policy_metadata(policy: Any, max_message_bytes: int, rtc: bool) -> dict[str, Any]:
+    c = policy.config
+    return {"type": "metadata", "protocol": protocol.PROTOCOL, "version": protocol.VERSION,
+            "action_dim": int(c.action_dim), "state_dim": int(c.state_dim), "cameras": list(c.cameras),
+            "image_size": int(getattr(c, "image_size", 0) or 0), "horizon": int(c.horizon),
+            "n_exec": int(getattr(c, "n_exec", c.horizon)), "policy_kind": str(getattr(c, "kind", "")),
+            "rtc": bool(rtc), "max_message_bytes": int(max_message_bytes)}
+
+
+def check_hello(meta: dict[str, Any], hello: dict[str, Any]) -> str | None:
+    """Return why a client's hello does not fit the served policy (None when it fits)."""
+    if hello.get("version") != protocol.VERSION:
+        return (f"protocol version mismatch: server speaks {protocol.PROTOCOL} v{protocol.VERSION}, "
+                f"client v{hello.get('version')!r}")
+    problems = []
+    for key in ("action_dim", "state_dim"):
+        if key in hello and hello[key] is not None and hello[key] != meta[key]:
+            problems.append(f"{key}: policy has {meta[key]}, client has {hello[key]}")
+    if "cameras" in hello and hello["cameras"] is not None:
+        need = set(meta["cameras"])
+        have = set(hello["cameras"] or [])
+        if not need <= have:
+            problems.append(f"cameras: policy needs {sorted(need)}, client provides {sorted(have)}")
+    if problems:
+        return "client does not fit the served policy: " + "; ".join(problems)
+    return None
+
+
+class PolicyServer:
+    """Serve ``policy`` (``predict_action_chunk(obs, **kw) -> (H, A)``, ``config``, ``reset``)."""
+
+    def __init__(self, policy: Any, host: str = "127.0.0.1", port: int = 8000, *,
+                 max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, rtc: RTCConfig | None = None,
+                 hello_timeout_s: float = 10.0):
+        self.policy = policy
+        self.host, self._port = host, int(port)
+        self.max_message_bytes = int(max_message_bytes)
+        self.rtc_config = rtc or RTCConfig()
+        self.rtc = supports_rtc(policy)
+        self.metadata = policy_metadata(policy, self.max_message_bytes, self.rtc)
+        self.hello_timeout_s = hello_timeout_s
+        self._lock = threading.Lock()
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.stats = {"connections": 0, "refused": 0, "requests": 0, "errors": 0}
+
+    # ----- lifecycle ------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        if self._server is not None:
+            return int(self._server.socket.getsockname()[1])
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def bind(self) -> "PolicyServer":
+        """Open the listening socket (idempotent); ``port`` is then the real one."""
+        self._make()
+        return self
+
+    def _make(self) -> None:
+        if self._server is not None:
+            return
+        from websockets.sync.server import serve
+        self._server = serve(self._handle, self.host, self._port, compression=None,
+                             max_size=self.max_message_bytes, ping_interval=None, open_timeout=10)
+
+    def start(self) -> "PolicyServer":
+        """Serve in a background thread (port 0 picks a free port; read ``.port``)."""
+        self._make()
+        self._thread = threading.Thread(target=self._server.serve_forever, name="PolicyServer", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._make()
+        log.info("serving %s on ws://%s", type(self.policy).__name__, self.address)
+        try:
+            self._server.serve_forever()
+        finally:
+            self._server.shutdown()
+            self._server = None
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._server = self._thread = None
+
+    def __enter__(self) -> "PolicyServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ----- one connection -------------------------------------------------------------------
+    def _handle(self, ws: Any) -> None:
+        from websockets.exceptions import ConnectionClosed
+        self.stats["connections"] += 1
+        try:
+            ws.send(protocol.pack(self.metadata))
+            try:
+                hello = protocol.unpack(ws.recv(timeout=self.hello_timeout_s), self.max_message_bytes)
+            except TimeoutError:
+                ws.close(1008, "no hello within the handshake timeout")
+                return
+            except ProtocolError as e:
+                self._refuse(ws, "bad_hello", str(e))
+                return
+            if hello.get("type") != "hello":
+                self._refuse(ws, "bad_hello", f"expected a 'hello' message, got {hello.get('type')!r}")
+                return
+            why = check_hello(self.metadata, hello)
+            if why is not None:
+                self._refuse(ws, "mismatch", why)
+                return
+            ws.send(protocol.pack({"type": "ready"}))
+            while True:
+                raw = ws.recv()
+                t0 = time.perf_counter()
+                ws.send(protocol.pack(self._reply(raw, t0)))
+        except ConnectionClosed:
+            return
+
+    def _refuse(self, ws: Any, code: str, message: str) -> None:
+        self.stats["refused"] += 1
+        log.warning("refused client %s: %s", getattr(ws, "remote_address", "?"), message)
+        ws.send(protocol.pack({"type": "error", "code": code, "message": message}))
+        ws.close(1008, message[:120])
+
+    def _reply(self, raw: bytes, t0: float) -> dict[str, Any]:
+        req_id = None
+        try:
+            msg = protocol.unpack(raw, self.max_message_bytes)
+            req_id = msg.get("id")
+            kind = msg["type"]
+            if kind == "reset":
+                with self._lock:
+                    if hasattr(self.policy, "reset"):
+                        self.policy.reset()
+                return {"type": "reset_ok", "id": req_id}
+            if kind != "infer":
+                raise ProtocolError(f"unknown message type {kind!r}; valid: 'infer', 'reset'")
+            obs = protocol.check_observation(msg.get("obs"), self.metadata["state_dim"],
+                                             tuple(self.metadata["cameras"]))
+            prefix = msg.get("prefix")
+            frozen = msg.get("frozen", 0)
+            seed = msg.get("seed")
+            if prefix is not None:
+                if not self.rtc:
+                    raise ProtocolError(f"this server's policy ({self.metadata['policy_kind'] or 'unknown'}) "
+                                        "cannot do real-time chunking; send requests without 'prefix'")
+                if not isinstance(prefix, np.ndarray) or prefix.ndim != 2 or prefix.shape[1] != self.metadata["action_dim"]:
+                    raise ProtocolError(f"prefix must be a (k, {self.metadata['action_dim']}) array")
+                if not isinstance(frozen, int) or isinstance(frozen, bool) or frozen < 0:
+                    raise ProtocolError(f"frozen must be an integer >= 0, got {frozen!r}")
+            if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+                raise ProtocolError(f"seed must be an integer, got {seed!r}")
+        except ProtocolError as e:
+            self.stats["errors"] += 1
+            return {"type": "error", "id": req_id, "code": "bad_request", "message": str(e)}
+        t1 = time.perf_counter()
+        try:
+            with self._lock:
+                t2 = time.perf_counter()
+                actions = self._infer(obs, prefix, frozen, seed)
+                t3 = time.perf_counter()
+            actions = np.asarray(actions, dtype=np.float32)
+            if actions.ndim != 2 or actions.shape[1] != self.metadata["action_dim"]:
+                raise ValueError(f"policy returned actions of shape {actions.shape}, expected (H, {self.metadata['action_dim']})")
+        except Exception as e:  # inference errors are the policy's, reported, not fatal
+            self.stats["errors"] += 1
+            log.exception("inference failed")
+            return {"type": "error", "id": req_id, "code": "inference_failed", "message": f"{type(e).__name__}: {e}"}
+        self.stats["requests"] += 1
+        return {"type": "chunk", "id": req_id, "actions": actions,
+                "timing": {"decode_ms": (t1 - t0) * 1e3, "queue_ms": (t2 - t1) * 1e3,
+                           "infer_ms": (t3 - t2) * 1e3, "server_ms": (time.perf_counter() - t0) * 1e3}}
+
+    def _infer(self, obs: dict, prefix: np.ndarray | None, frozen: int, seed: int | None) -> np.ndarray:
+        kwargs: dict[str, Any] = {}
+        if seed is not None:
+            from deploy.client import _seed_everything
+            _seed_everything(seed)
+        if prefix is not None:
+            kwargs["guide"] = prefix_guide(self.policy, prefix, frozen, self.rtc_config)
+        return self.policy.predict_action_chunk(obs, **kwargs)

@@ -1,0 +1,113 @@
+"""FrankaRobot through franky-sim on loopback: state, FK, a policy-driven motion at a fixed rate
+through the policy server, and fuzzed bad actions stopped before the driver."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from deploy.franka_sim import available
+
+pytestmark = [pytest.mark.robots,
+              pytest.mark.skipif(available() is not None, reason=str(available())),
+              pytest.mark.timeout(180)]
+
+from deploy.client import PolicyClient  # noqa: E402
+from deploy.control import ControlLoop, LoopConfig  # noqa: E402
+from deploy.errors import RobotConnectionError  # noqa: E402
+from deploy.franka import FrankaRobot  # noqa: E402
+from deploy.franka_sim import FrankySim  # noqa: E402
+from deploy.fuzz import fuzz_actions, violations  # noqa: E402
+from deploy.kinematics import franka_fk  # noqa: E402
+from deploy.safety import SafetyConfig, SafetyLayer  # noqa: E402
+from deploy.scripted import JointTargetPolicy  # noqa: E402
+from deploy.server import PolicyServer  # noqa: E402
+
+
+class RecordingFranka(FrankaRobot):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.received: list[np.ndarray] = []
+
+    def send_action(self, action):
+        self.received.append(np.array(action, copy=True))
+        super().send_action(action)
+
+
+@pytest.fixture(scope="module")
+def sim():
+    s = FrankySim().start()
+    yield s
+    code = s.stop()
+    assert code is not None
+
+
+@pytest.fixture(scope="module")
+def robot(sim):
+    r = RecordingFranka(sim.host, instruction="move to the target", relative_dynamics_factor=0.3)
+    r.connect()
+    yield r
+    r.disconnect()
+
+
+def test_connect_and_read_state(robot):
+    obs = robot.get_observation()
+    s = obs["state"]
+    assert s.shape == (22,) and s.dtype == np.float32 and obs["instruction"] == "move to the target"
+    q = s[:7]
+    np.testing.assert_allclose(q, [0.0, 0.0, 0.0, -1.57, 0.0, 1.57, 0.785], atol=1e-3)  # franky-sim home
+    assert 0.0 <= s[14] <= 0.08  # gripper width
+    # our FK (Franka's DH table) is the robot's own TCP pose
+    np.testing.assert_allclose(franka_fk(q)[:3, 3], s[15:18], atol=1e-4)
+    assert np.all(robot.spec.action_low[:7] < q) and np.all(q < robot.spec.action_high[:7])
+
+
+def test_policy_driven_motion_at_a_fixed_rate(robot):
+    q0 = robot.hold_action()[:7].astype(np.float64)
+    target = q0 + np.array([0.25, -0.15, 0.2, 0.2, -0.2, 0.15, 0.3])
+    policy = JointTargetPolicy(22, 8, target, step=0.03, gripper=0.06, delay_s=0.01)
+    with PolicyServer(policy, port=0) as srv, \
+            PolicyClient(port=srv.port, expect={"action_dim": 8, "state_dim": 22}) as client:
+        loop = ControlLoop(robot, client, LoopConfig(rate_hz=20, max_steps=40))
+        res = loop.run_episode()
+    assert res.reason == "max_steps" and res.steps == 40 and res.holds == []
+    assert abs(res.timing["period_p50_ms"] - 50.0) < 3.0
+    assert robot.wait_until_still(5.0)
+    time.sleep(0.5)  # the gripper finishes its move
+    s = robot.get_observation()["state"]
+    np.testing.assert_allclose(s[:7], target, atol=0.01)
+    assert s[14] == pytest.approx(0.06, abs=0.005)
+    assert not robot._robot.has_errors
+
+
+def test_fuzzed_bad_actions_never_reach_the_franka(robot):
+    robot.received.clear()
+    safety = SafetyLayer(robot, SafetyConfig(velocity_scale=0.5), dt=1 / 50)
+    safety.reset()
+    start = robot.hold_action().astype(np.float64)
+    kinds = []
+    for kind, action in fuzz_actions(robot.spec, start, n=1000, seed=3):
+        kinds.append(kind)
+        safety.command(action)
+        time.sleep(0.002)
+    sent = np.asarray(robot.received)
+    assert sum(k != "good" for k in kinds) > 400 and len(sent) == 1000
+    assert violations(sent, robot.spec, 1 / 50, start, velocity_scale=0.5) == {
+        "nonfinite": 0, "out_of_limits": 0, "velocity": 0, "acceleration": 0, "shape": 0}
+    assert not robot._robot.has_errors, "the robot went into a reflex: a bad command got through"
+
+
+def test_unreachable_franka_and_a_stopped_simulator():
+    with pytest.raises(RobotConnectionError, match="cannot connect to the Franka at 127.0.4.1"):
+        FrankaRobot("127.0.4.1").connect()
+    s = FrankySim().start()
+    r = FrankaRobot(s.host, gripper=False)
+    r.connect()
+    assert r.get_observation()["state"].shape == (22,)
+    r.disconnect()
+    t0 = time.monotonic()
+    code = s.stop()  # SIGINT
+    assert code in (0, -signal.SIGINT) and time.monotonic() - t0 < 10

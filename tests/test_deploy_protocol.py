@@ -1,0 +1,227 @@
+"""Policy server / client: wire format, handshake, bad input, a real tiny checkpoint, RTC."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from deploy import protocol
+from deploy.client import PolicyClient
+from deploy.errors import HandshakeError, ProtocolError, ServerError
+from deploy.scripted import JointTargetPolicy
+from deploy.server import PolicyServer
+
+STATE, ACTION = 35, 8
+
+
+def _obs(seed: int = 0, cams: tuple[str, ...] = ()) -> dict:
+    rng = np.random.default_rng(seed)
+    obs = {"state": rng.normal(size=STATE).astype(np.float32), "instruction": "push the cube to the goal region"}
+    if cams:
+        obs["images"] = {c: rng.integers(0, 255, (224, 224, 3), dtype=np.uint8) for c in cams}
+    return obs
+
+
+@pytest.fixture()
+def served():
+    policy = JointTargetPolicy(STATE, ACTION, np.linspace(-0.5, 0.5, 7), gripper=1.0)
+    with PolicyServer(policy, port=0, max_message_bytes=1 << 20) as srv:
+        yield policy, srv
+
+
+def _raw(srv: PolicyServer):
+    """A bare websocket to the server (to send what PolicyClient never would)."""
+    from websockets.sync.client import connect
+    return connect(f"ws://127.0.0.1:{srv.port}", compression=None, proxy=None, max_size=None)
+
+
+def test_pack_unpack_round_trip_keeps_arrays_exact():
+    img = np.random.default_rng(0).integers(0, 255, (224, 224, 3), dtype=np.uint8)
+    msg = {"type": "infer", "obs": {"state": np.arange(5, dtype=np.float32), "images": {"wrist": img},
+                                    "instruction": "x"}, "id": 3}
+    out = protocol.unpack(protocol.pack(msg))
+    assert out["id"] == 3 and out["obs"]["instruction"] == "x"
+    np.testing.assert_array_equal(out["obs"]["images"]["wrist"], img)
+    assert out["obs"]["images"]["wrist"].dtype == np.uint8
+    np.testing.assert_array_equal(out["obs"]["state"], np.arange(5, dtype=np.float32))
+    # raw bytes, no per-element packing: the message is the image plus a small header
+    assert len(protocol.pack(msg)) < img.nbytes + 200
+
+
+@pytest.mark.parametrize("raw, match", [
+    (b"\xc1\xc1garbage", "not valid msgpack"),
+    ("text", "text frames"),
+    (protocol.pack({"no_type": 1}), "string 'type'"),
+    (b"\x93\x01\x02\x03", "map"),
+])
+def test_unpack_rejects_malformed_messages(raw, match):
+    with pytest.raises(ProtocolError, match=match):
+        protocol.unpack(raw)
+
+
+def test_unpack_rejects_lying_array_headers():
+    import msgpack
+    bad_len = msgpack.packb({"type": "x", "a": {"__nd__": True, "dtype": "<f4", "shape": [10], "data": b"\0" * 8}})
+    with pytest.raises(ProtocolError, match="needs 40 bytes"):
+        protocol.unpack(bad_len)
+    bad_dtype = msgpack.packb({"type": "x", "a": {"__nd__": True, "dtype": "|O", "shape": [1], "data": b"\0" * 8}})
+    with pytest.raises(ProtocolError, match="dtype"):
+        protocol.unpack(bad_dtype)
+    huge = msgpack.packb({"type": "x", "a": {"__nd__": True, "dtype": "<f4", "shape": [1 << 40, 1 << 40], "data": b""}})
+    with pytest.raises(ProtocolError):
+        protocol.unpack(huge)
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        protocol.unpack(b"\0" * 100, max_bytes=50)
+
+
+def test_round_trip_returns_the_policy_chunk_with_timing(served):
+    policy, srv = served
+    with PolicyClient(port=srv.port, expect={"action_dim": ACTION, "state_dim": STATE}) as client:
+        assert client.metadata["horizon"] == 16 and client.metadata["n_exec"] == 8
+        assert client.metadata["protocol"] == protocol.PROTOCOL and client.metadata["rtc"] is False
+        obs = _obs(1)
+        reply = client.infer(obs)
+        np.testing.assert_array_equal(reply.actions, policy.predict_action_chunk(obs))
+        t = reply.timing
+        assert t["rtt_ms"] >= t["server_ms"] >= t["infer_ms"] >= 0
+        client.reset()
+        assert client.healthy
+
+
+def test_mismatched_client_is_refused_with_both_dims_named(served):
+    _, srv = served
+    with pytest.raises(HandshakeError, match="action_dim: server's policy has 8, this client expects 7"):
+        PolicyClient(port=srv.port, expect={"action_dim": 7, "state_dim": STATE})
+    with pytest.raises(HandshakeError, match="cameras"):
+        cams_policy = JointTargetPolicy(STATE, ACTION, np.zeros(7))
+        cams_policy.config.cameras = ("wrist",)
+        with PolicyServer(cams_policy, port=0) as cam_srv:
+            PolicyClient(port=cam_srv.port, expect={"cameras": []})
+    # the server checks too: a client that skips its own check is refused by the server
+    ws = _raw(srv)
+    meta = protocol.unpack(ws.recv(timeout=5))
+    assert meta["action_dim"] == ACTION
+    ws.send(protocol.pack({"type": "hello", "version": protocol.VERSION, "action_dim": 6, "state_dim": STATE}))
+    answer = protocol.unpack(ws.recv(timeout=5))
+    assert answer["type"] == "error" and answer["code"] == "mismatch"
+    assert "action_dim: policy has 8, client has 6" in answer["message"]
+    ws.close()
+    ws = _raw(srv)
+    ws.recv(timeout=5)
+    ws.send(protocol.pack({"type": "hello", "version": 99}))
+    assert "protocol version mismatch" in protocol.unpack(ws.recv(timeout=5))["message"]
+    ws.close()
+    assert srv.stats["refused"] >= 2
+
+
+def test_bad_requests_get_error_replies_and_the_server_keeps_serving(served):
+    policy, srv = served
+    ws = _raw(srv)
+    ws.recv(timeout=5)
+    ws.send(protocol.pack({"type": "hello", "version": protocol.VERSION}))
+    assert protocol.unpack(ws.recv(timeout=5))["type"] == "ready"
+    bad = [b"\xc1not msgpack", protocol.pack({"type": "dance", "id": 1}),
+           protocol.pack({"type": "infer", "id": 2, "obs": {"state": np.zeros(3, np.float32), "instruction": "x"}}),
+           protocol.pack({"type": "infer", "id": 3, "obs": {"state": np.full(STATE, np.nan, np.float32), "instruction": "x"}}),
+           protocol.pack({"type": "infer", "id": 4, "obs": {"state": np.zeros(STATE, np.float32), "instruction": ""}}),
+           protocol.pack({"type": "infer", "id": 5, "obs": _obs(), "prefix": np.zeros((2, ACTION), np.float32)})]
+    for raw in bad:
+        ws.send(raw)
+        reply = protocol.unpack(ws.recv(timeout=5))
+        assert reply["type"] == "error" and reply["code"] == "bad_request", reply
+    ws.send("a text frame")
+    assert protocol.unpack(ws.recv(timeout=5))["type"] == "error"
+    # the same connection still answers a good request
+    ws.send(protocol.pack({"type": "infer", "id": 9, "obs": _obs()}))
+    reply = protocol.unpack(ws.recv(timeout=5))
+    assert reply["type"] == "chunk" and reply["id"] == 9 and reply["actions"].shape == (16, ACTION)
+    ws.close()
+    assert srv.stats["errors"] >= len(bad)
+
+
+def test_oversized_message_is_refused_and_the_server_survives(served):
+    _, srv = served  # limit 1 MiB
+    client = PolicyClient(port=srv.port, max_message_bytes=8 << 20)
+    big = _obs()
+    big["images"] = {"huge": np.zeros((1024, 1024, 3), np.uint8)}  # 3 MiB
+    with pytest.raises(ProtocolError, match="oversized"):
+        client.infer(big)
+    assert not client.healthy
+    client.close()
+    with PolicyClient(port=srv.port) as again:  # the server is still up for the next client
+        assert again.infer(_obs()).actions.shape == (16, ACTION)
+
+
+def test_inference_errors_are_reported_not_fatal():
+    class Flaky(JointTargetPolicy):
+        def predict_action_chunk(self, obs, **kw):
+            if obs["instruction"] == "explode":
+                raise RuntimeError("boom")
+            return super().predict_action_chunk(obs)
+
+    with PolicyServer(Flaky(STATE, ACTION, np.zeros(7)), port=0) as srv, PolicyClient(port=srv.port) as c:
+        bad = _obs()
+        bad["instruction"] = "explode"
+        with pytest.raises(ServerError, match="inference_failed.*RuntimeError: boom"):
+            c.infer(bad)
+        assert c.infer(_obs()).actions.shape == (16, ACTION)
+
+
+def test_unreachable_server_gives_a_clear_error():
+    from deploy.errors import PolicyUnavailableError
+    with pytest.raises(PolicyUnavailableError, match="cannot connect to the policy server at ws://127.0.0.1:9"):
+        PolicyClient("127.0.0.1", 9, timeout=1.0)
+
+
+# ---- a real tiny checkpoint ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    import policies
+    cfg = policies.PolicyConfig(kind="flow", state_dim=STATE, action_dim=ACTION, horizon=8, n_exec=4, size="tiny")
+    torch.manual_seed(0)
+    model = policies.FlowMatchingVLA(cfg)
+    rng = np.random.default_rng(0)
+    model.fit_normalizer(rng.normal(size=(256, STATE)), rng.uniform(-1, 1, size=(256, ACTION)) * np.linspace(0.5, 2, ACTION))
+    # a fixed instruction feature instead of loading MiniLM (11 s): the checkpoint carries it
+    model.lang.cache[_obs()["instruction"]] = torch.randn(1, cfg.lang_dim, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # give the untrained velocity head some signal so chunks depend on the obs
+        model.action_out.weight.normal_(0, 0.05)
+    path = tmp_path_factory.mktemp("ckpt") / "tiny_flow"
+    model.save(path)
+    return path
+
+
+def test_tiny_checkpoint_round_trip_matches_local_sampling(tiny_ckpt):
+    import torch
+
+    import policies
+    served = policies.load(tiny_ckpt)
+    local = policies.load(tiny_ckpt)
+    with PolicyServer(served, port=0) as srv, \
+            PolicyClient(port=srv.port, expect={"action_dim": ACTION, "state_dim": STATE, "cameras": []}) as c:
+        assert c.metadata["policy_kind"] == "flow" and c.metadata["rtc"] is True and c.metadata["horizon"] == 8
+        obs = _obs(3)
+        remote = c.infer(obs, seed=123).actions
+        torch.manual_seed(123)
+        np.testing.assert_allclose(remote, local.predict_action_chunk(obs), atol=1e-5)
+        assert not np.allclose(remote, c.infer(obs, seed=124).actions)
+
+
+def test_rtc_prefix_is_inpainted_by_the_served_policy(tiny_ckpt):
+    import policies
+    policy = policies.load(tiny_ckpt)
+    rng = np.random.default_rng(5)
+    prefix = rng.uniform(-0.5, 0.5, size=(6, ACTION)).astype(np.float32)
+    with PolicyServer(policy, port=0) as srv, PolicyClient(port=srv.port) as c:
+        free, guided = [], []
+        for seed in range(4):
+            plain = c.infer(_obs(seed), seed=seed).actions
+            rtc = c.infer(_obs(seed), prefix=prefix, frozen=3, seed=seed).actions
+            # the frozen steps are exactly the committed ones
+            np.testing.assert_allclose(rtc[:3], prefix[:3], atol=1e-4)
+            free.append(np.abs(plain[3:6] - prefix[3:6]).mean())
+            guided.append(np.abs(rtc[3:6] - prefix[3:6]).mean())
+        # the soft overlap pulls the rest of the overlap toward the old plan
+        assert np.mean(guided) < 0.5 * np.mean(free)
