@@ -77,6 +77,8 @@ def main() -> None:
             rows.append([env_id, kind, f"{ev.success_rate:.2f} [{lo:.2f}, {hi:.2f}]", ev.episodes, n_demos, steps,
                          round(s["samples_per_s"])])
             print(rows[-1], flush=True)
+            write("policies", results, md_table(["task", "policy", "success [95% CI]", "episodes", "demos",
+                                                 "train steps", "train samples/s"], rows))  # partial results survive
     for kind in ("flow", "ar"):
         for size in ("tiny", "base"):
             results["latency_ms"][f"{kind}_{size}"] = latency(kind, size)
