@@ -8,27 +8,16 @@ default (``realtime=False``): episode ``i`` uses env seed ``seed + i`` and sampl
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
+from envs.metrics import wilson as wilson_ci
 from deploy.client import PolicyClient, parse_address
 from deploy.control import ControlLoop, LoopConfig
 from deploy.recording import Recorder
 from deploy.safety import SafetyConfig, SafetyLayer
 from deploy.sim_robot import SimRobot
-
-
-def wilson_ci(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    d = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / d
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return (max(0.0, c - h), min(1.0, c + h))
 
 
 def evaluate_via_server(env_id: str, server: str | Any = "127.0.0.1:8000", n_episodes: int = 10, seed: int = 0,

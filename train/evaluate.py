@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,18 +12,8 @@ import numpy as np
 from tqdm import tqdm
 
 import envs
+from envs.metrics import wilson  # noqa: F401  (re-exported for callers)
 from policies.model import PolicyMismatchError
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion (sensible at 0 and n successes)."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = k / n
-    den = 1 + z * z / n
-    c = (p + z * z / (2 * n)) / den
-    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (max(0.0, c - h), min(1.0, c + h))
 
 
 def check_compatible(policy: Any, env: Any) -> None:
