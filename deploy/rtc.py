@@ -31,6 +31,10 @@ class RTCConfig:
     """guidance scale w"""
     step: str = "prox"
     """coupled endpoint step: prox is stable for this stiff quadratic cost"""
+    inner_steps: int = 5
+    """prox inner iterations. Measured on a tiny CPU policy (10 flow steps, 16x4 chunk):
+    unguided 7 ms; prox x5 50 ms, x2 25 ms (overlap error 2x larger); 'linear' with sigma 0.2
+    9.5 ms at prox-x5 quality, but 'linear' with sigma 0.05 diverges"""
 
 
 def supports_rtc(policy: Any) -> bool:
@@ -74,5 +78,6 @@ def prefix_guide(policy: Any, prefix: np.ndarray, frozen: int, config: RTCConfig
         return inv * (w.to(x.device, x.dtype)[None, :, None] * d * d).flatten(1).sum(1)
 
     project = PrefixCost(y[:frozen]) if frozen > 0 else None
+    extra = {"inner_steps": cfg.inner_steps} if cfg.step == "prox" else {}
     return guidance.make("coupled", cost=FunctionCost(overlap_cost, name="rtc_overlap"), scale=cfg.scale,
-                         step=cfg.step, project=project)
+                         step=cfg.step, project=project, **extra)

@@ -93,7 +93,8 @@ def test_camera_observation():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,need", [("PullCube", 9), ("LiftPegUpright", 9), ("PlugCharger", 6),
-                                       ("PegInsertionSide", 3)])
+# thresholds from 50-episode rates (benchmarks/results/envs.md) with margin: 1.0, 0.88, 0.42, 0.70
+@pytest.mark.parametrize("name,need", [("PullCube", 9), ("LiftPegUpright", 7), ("PlugCharger", 2),
+                                       ("PegInsertionSide", 4)])
 def test_motion_planning_expert_rates(name, need):
     assert _expert_wins(name, range(10)) >= need
