@@ -22,8 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, md_table, write  # noqa: E402
 
-sys.path.insert(0, str(ROOT))  # `deploy` is the package, not this script
-sys.modules.pop("deploy", None) if getattr(sys.modules.get("deploy"), "__file__", "") == __file__ else None
+sys.path.insert(0, str(ROOT))  # `import deploy` must find the package, not this script
 
 import numpy as np  # noqa: E402
 
