@@ -109,5 +109,5 @@ def test_unreachable_franka_and_a_stopped_simulator():
     assert r.get_observation()["state"].shape == (22,)
     r.disconnect()
     t0 = time.monotonic()
-    code = s.stop()  # SIGINT
-    assert code in (0, -signal.SIGINT) and time.monotonic() - t0 < 10
+    code = s.stop(timeout_s=30)  # SIGINT (a loaded 2-core machine can take >10 s to unwind MuJoCo)
+    assert code in (0, -signal.SIGINT) and time.monotonic() - t0 < 30

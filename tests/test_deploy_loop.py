@@ -243,7 +243,7 @@ def test_deploy_command_runs_episodes_against_a_served_policy(tmp_path, capsys):
                 "--max-steps", "12", "--record", str(out), "--no-status"])
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert [x["steps"] for x in lines[:2]] == [12, 12]
     assert lines[-1]["episodes"] == 2 and Path(lines[-1]["recorded"]).exists()
