@@ -1,0 +1,34 @@
+"""The groundflow command: subcommands exist, bad input gets one clear line and exit code 1."""
+
+import pytest
+
+from train.cli import main
+
+
+def test_lists_envs_and_commands(capsys):
+    assert main(["envs"]) == 0
+    out = capsys.readouterr().out
+    assert "maniskill/TabletopSuite-v1" in out and "robosuite/KitchenSuite" in out and "tabletop" in out
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for cmd in ("collect", "train", "eval", "diagnose", "serve", "deploy", "debug"):
+        assert cmd in out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["collect", "--env", "maniskill/PushCub-v1", "--episodes", "1", "--out", "/tmp/x.h5"], "unknown env id"),
+    (["collect", "--suite", "kitchenette", "--episodes", "1", "--out", "/tmp/x.h5"], "unknown suite"),
+    (["collect", "--env", "maniskill/PushCube-v1", "--episodes", "0", "--out", "/tmp/x.h5"], "--episodes"),
+    (["train", "--data", "/nonexistent/demos.h5", "--steps", "1"], "does not exist"),
+    (["eval", "--ckpt", "/nonexistent/ckpt"], "not a groundflow checkpoint"),
+    (["train", "cig", "--data", "/nonexistent/demos.h5"], "--from"),
+])
+def test_bad_input_is_one_clear_error(argv, msg, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_unknown_command(capsys):
+    assert main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
