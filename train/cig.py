@@ -43,12 +43,12 @@ class CounterfactualSampler:
         para = {normalize(p) for ps in (paraphrases or {}).values() for p in ps}
         self.same_scene = same_scene or {}
         self.pool: dict[str, list[str]] = {}
+        self.n_hard: dict[str, int] = {}
         for l in uniq:
             own = {normalize(l)} | {normalize(p) for p in (paraphrases or {}).get(l, [])}
             hard = [c for c in self.same_scene.get(l, []) if normalize(c) not in own]
             rest = [c for c in uniq if normalize(c) not in own and c not in hard and normalize(c) not in para]
             self.pool[l] = hard + rest
-            self.n_hard = getattr(self, "n_hard", {})
             self.n_hard[l] = len(hard)
         short = {l: len(p) for l, p in self.pool.items() if len(p) < self.k}
         if short:

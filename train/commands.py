@@ -28,14 +28,13 @@ def _train(argv: list[str]) -> None:
     if cig_stage:
         if args.init_from is None:
             raise ValueError("groundflow train cig needs --from CKPT (the fine-tuned checkpoint to continue)")
+        import policies
+        meta = policies.read_checkpoint_meta(args.init_from)
         if args.cig.weight == 0:
             args.cig.weight = 1.0
-        if not args.data:
-            import policies
-            meta = policies.read_checkpoint_meta(args.init_from)
+        if not args.data:  # default: the data the checkpoint was trained on
             args.data = tuple(Path(p) for p in meta.get("extra", {}).get("train_args", {}).get("data", []))
-        meta_policy = __import__("policies").read_checkpoint_meta(args.init_from)["config"]["kind"]
-        args.policy = meta_policy
+        args.policy = meta["config"]["kind"]
     _print_summary(train(args))
 
 
