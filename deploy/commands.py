@@ -129,13 +129,15 @@ def serve(argv: list[str]) -> None:
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM (service managers, ``kill``) stops the server like Ctrl+C does."""
+    """SIGTERM (service managers, ``kill``) and SIGINT stop the server like Ctrl+C does. SIGINT is set
+    explicitly: a process started in the background of a non-interactive shell inherits it ignored."""
     import signal
 
     def stop(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
 
 def make_robot(args: DeployArgs, stack: list):

@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--realtime", type=float, default=1.0, help="speed factor of the 1 kHz loop (0: as fast as possible)")
     a = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # inherited as ignored when the parent runs in the background of a non-interactive shell
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     serve(a.host, a.realtime)
 
 
