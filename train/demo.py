@@ -29,12 +29,12 @@ class DemoArgs:
     out: Path = Path("runs/demo")
     seed: int = 0
     size: str = "tiny"
-    demos: int = 120
+    demos: int = 240
     """tabletop demos (cycled over --instructions)"""
     instructions: tuple[str, ...] = tuple(f"push the {c} cube to the {g} goal" for c in ("red", "green", "blue")
                                           for g in ("left", "right"))
     """suite instructions used (default: the six push tasks, all feasible from every initial state)"""
-    bc_steps: int = 3000
+    bc_steps: int = 6000
     cig_steps: int = 300
     cig_weight: float = 1.0
     eval_episodes: int = 24
