@@ -52,10 +52,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--episodes", type=int, default=50)
     ap.add_argument("--tasks", nargs="*", default=list(TASKS))
+    ap.add_argument("--latency-only", action="store_true", help="keep the task results of the last run")
     a = ap.parse_args()
     results: dict = {"machine": machine(), "tasks": {}, "latency_ms": {}, "train_samples_per_s": {}}
     rows = []
-    for env_id in a.tasks:
+    if a.latency_only:
+        import json
+        from common import RESULTS
+        old = json.loads((RESULTS / "policies.json").read_text())
+        results["tasks"], results["train_samples_per_s"] = old["tasks"], old["train_samples_per_s"]
+        for env_id, kinds in results["tasks"].items():
+            for kind, r in kinds.items():
+                rows.append([env_id, kind, f"{r['success_rate']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]",
+                             r["episodes"], r["demos"], r["train_steps"], round(r["train_samples_per_s"])])
+    for env_id in ([] if a.latency_only else a.tasks):
         n_demos, steps, h, ne = TASKS[env_id]
         if a.quick:
             n_demos, steps = max(10, n_demos // 5), 300
