@@ -53,10 +53,11 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=50)
     ap.add_argument("--tasks", nargs="*", default=list(TASKS))
     ap.add_argument("--latency-only", action="store_true", help="keep the task results of the last run")
+    ap.add_argument("--merge", action="store_true", help="add --tasks to the task results of the last run")
     a = ap.parse_args()
     results: dict = {"machine": machine(), "tasks": {}, "latency_ms": {}, "train_samples_per_s": {}}
     rows = []
-    if a.latency_only:
+    if a.latency_only or a.merge:
         import json
         from common import RESULTS
         old = json.loads((RESULTS / "policies.json").read_text())
