@@ -67,27 +67,30 @@ def _raw_pose(x: Any, device: Any) -> torch.Tensor:
     return torch.as_tensor(np.r_[pose.p, pose.q], dtype=torch.float32, device=device)[None]
 
 
-try:  # scikit-learn's dependency, so normally present
-    from threadpoolctl import ThreadpoolController
-    _BLAS = ThreadpoolController().select(user_api="blas")
-except Exception:  # pragma: no cover - optional speed-up only
-    _BLAS = None
+class _TableTask(BaseEnv):
+    """What both groundflow tasks share: the Panda at ROBOT_BASE on ManiSkill's table, the same
+    sensor camera, and a render camera aimed ``render_target_z`` metres above the table.
 
+    BLAS threads (the CPU ``pd_ee_*`` IK does ~50 tiny numpy solves per step) are limited to one
+    process-wide by ``envs.platform_setup.setup``, which ``envs.maniskill`` runs before import."""
 
-class _SerialBlasStep:
-    """Runs ``step`` with numpy's BLAS on one thread.
+    render_target_z = 0.1
 
-    The CPU ``pd_ee_*`` controllers solve IK with ~50 tiny (6x6) numpy solves per control step;
-    multi-threaded OpenBLAS makes each 5-40x slower on a small shared machine (measured on 2
-    shared cores with moving actions: PushCube-v1 in pd_ee_delta_pos 41 steps/s without the
-    limit; these tasks 130-150 with it). Scoped to ``step``; costs ~12 us.
-    """
+    @property
+    def _default_sensor_configs(self):
+        return [_look_at_camera(eye=[0.3, 0, 0.6], target=[-0.1, 0, 0.1])]
 
-    def step(self, action):
-        if _BLAS is None:
-            return super().step(action)
-        with _BLAS.limit(limits=1):
-            return super().step(action)
+    @property
+    def _default_human_render_camera_configs(self):
+        return CameraConfig("render_camera", sapien_utils.look_at([0.6, 0.7, 0.6], [0.0, 0.0, self.render_target_z]),
+                            512, 512, 1, 0.01, 100)
+
+    def _load_agent(self, options: dict):
+        super()._load_agent(options, sapien.Pose(p=list(ROBOT_BASE)))
+
+    def _build_table(self) -> None:
+        self.table_scene = TableSceneBuilder(env=self, robot_init_qpos_noise=self.robot_init_qpos_noise)
+        self.table_scene.build()
 
 
 def _check_cpu_single(env: BaseEnv) -> None:
@@ -175,7 +178,7 @@ def correlated_layout(task: Task) -> tuple[tuple[int, int, int], int]:
 
 
 @register_env("GroundflowTabletop-v1", max_episode_steps=150)
-class GroundflowTabletopEnv(_SerialBlasStep, BaseEnv):
+class GroundflowTabletopEnv(_TableTask):
     """Three cubes, two goal discs; the commanded task is chosen at reset.
 
     Options of ``reset``: ``task_id`` (int, default: keep the current one), ``layout`` (this
@@ -201,21 +204,8 @@ class GroundflowTabletopEnv(_SerialBlasStep, BaseEnv):
         _check_cpu_single(self)
 
     # ----- scene ------------------------------------------------------------------------------
-    @property
-    def _default_sensor_configs(self):
-        return [_look_at_camera(eye=[0.3, 0, 0.6], target=[-0.1, 0, 0.1])]
-
-    @property
-    def _default_human_render_camera_configs(self):
-        return CameraConfig("render_camera", sapien_utils.look_at([0.6, 0.7, 0.6], [0.0, 0.0, 0.1]),
-                            512, 512, 1, 0.01, 100)
-
-    def _load_agent(self, options: dict):
-        super()._load_agent(options, sapien.Pose(p=list(ROBOT_BASE)))
-
     def _load_scene(self, options: dict):
-        self.table_scene = TableSceneBuilder(env=self, robot_init_qpos_noise=self.robot_init_qpos_noise)
-        self.table_scene.build()
+        self._build_table()
         self.cubes = [actors.build_cube(self.scene, half_size=CUBE_HALF, color=CUBE_RGBA[c], name=f"{c}_cube",
                                         initial_pose=sapien.Pose(p=[0.3 * i, 0.5, CUBE_HALF]))
                       for i, c in enumerate(CUBES)]
@@ -577,7 +567,7 @@ EE_DELTA_TARGET_SCALE = 0.1
 
 
 @register_env("GroundflowCollisionAvoidance-v1", max_episode_steps=60)
-class GroundflowCollisionAvoidanceEnv(_SerialBlasStep, BaseEnv):
+class GroundflowCollisionAvoidanceEnv(_TableTask):
     """Reach a goal point with the TCP; evaluation places obstacles across the straight path.
 
     ``obstacles`` (constructor, or ``reset(options={"obstacles": ...})`` for one episode): "none"
@@ -622,21 +612,10 @@ class GroundflowCollisionAvoidanceEnv(_SerialBlasStep, BaseEnv):
         super().__init__(*args, robot_uids=robot_uids, **kwargs)
         _check_cpu_single(self)
 
-    @property
-    def _default_sensor_configs(self):
-        return [_look_at_camera(eye=[0.3, 0, 0.6], target=[-0.1, 0, 0.1])]
-
-    @property
-    def _default_human_render_camera_configs(self):
-        return CameraConfig("render_camera", sapien_utils.look_at([0.6, 0.7, 0.6], [0.0, 0.0, 0.2]),
-                            512, 512, 1, 0.01, 100)
-
-    def _load_agent(self, options: dict):
-        super()._load_agent(options, sapien.Pose(p=list(ROBOT_BASE)))
+    render_target_z = 0.2
 
     def _load_scene(self, options: dict):
-        self.table_scene = TableSceneBuilder(env=self, robot_init_qpos_noise=self.robot_init_qpos_noise)
-        self.table_scene.build()
+        self._build_table()
         self.goal_marker = actors.build_sphere(self.scene, radius=0.015, color=[0.1, 0.8, 0.2, 1], name="goal",
                                                body_type="kinematic", add_collision=False,
                                                initial_pose=sapien.Pose(p=[0, 0, 0.3]))

@@ -43,6 +43,7 @@ def setup() -> None:
     # makes each 5-40x slower on 2 shared cores (measured 41 vs 130-150 steps/s).
     if os.environ.get("GROUNDFLOW_BLAS_THREADS", "1") != "auto":
         try:
+            import numpy  # noqa: F401  (load its BLAS first: the limit applies to loaded libraries only)
             from threadpoolctl import threadpool_limits
             threadpool_limits(int(os.environ.get("GROUNDFLOW_BLAS_THREADS", "1")), user_api="blas")
         except ImportError:
