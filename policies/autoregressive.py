@@ -15,9 +15,9 @@ from policies.model import VLAModel
 
 
 class AutoregressiveVLA(VLAModel):
+    kind = "ar"
+
     def __init__(self, config: PolicyConfig):
-        if config.kind != "ar":
-            config.kind = "ar"
         super().__init__(config)
         c, d = config, config.d_model
         self.n_tokens = c.horizon * c.action_dim

@@ -16,9 +16,9 @@ from policies.model import VLAModel, sinusoidal
 
 
 class FlowMatchingVLA(VLAModel):
+    kind = "flow"
+
     def __init__(self, config: PolicyConfig):
-        if config.kind != "flow":
-            config.kind = "flow"
         super().__init__(config)
         c, d = config, config.d_model
         self.action_in = nn.Linear(c.action_dim, d)

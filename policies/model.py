@@ -39,8 +39,11 @@ def sinusoidal(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class VLAModel(nn.Module):
+    kind = ""  # "flow" | "ar": the family a subclass implements, recorded in its config
+
     def __init__(self, config: PolicyConfig):
         super().__init__()
+        config.kind = self.kind or config.kind
         if config.state_dim <= 0 or config.action_dim <= 0:
             raise ValueError("PolicyConfig needs state_dim and action_dim (> 0)")
         self.config = c = config
