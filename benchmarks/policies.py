@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="*", default=list(TASKS))
     ap.add_argument("--latency-only", action="store_true", help="keep the task results of the last run")
     ap.add_argument("--merge", action="store_true", help="add --tasks to the task results of the last run")
+    ap.add_argument("--kinds", nargs="*", default=["flow", "ar"], help="policy families to train and evaluate")
     a = ap.parse_args()
     results: dict = {"machine": machine(), "tasks": {}, "latency_ms": {}, "train_samples_per_s": {}}
     rows = []
@@ -64,6 +65,8 @@ def main() -> None:
         results["tasks"], results["train_samples_per_s"] = old["tasks"], old["train_samples_per_s"]
         for env_id, kinds in results["tasks"].items():
             for kind, r in kinds.items():
+                if env_id in a.tasks and kind in a.kinds and not a.latency_only:
+                    continue  # re-run below
                 rows.append([env_id, kind, f"{r['success_rate']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]",
                              r["episodes"], r["demos"], r["train_steps"], round(r["train_samples_per_s"])])
     for env_id in ([] if a.latency_only else a.tasks):
@@ -71,8 +74,8 @@ def main() -> None:
         if a.quick:
             n_demos, steps = max(10, n_demos // 5), 300
         data = demos(env_id, n_demos)
-        results["tasks"][env_id] = {}
-        for kind in ("flow", "ar"):
+        results["tasks"].setdefault(env_id, {})
+        for kind in a.kinds:
             out = ROOT / "runs" / "bench_policies" / f"{env_id.replace('/', '_')}_{kind}"
             shutil.rmtree(out, ignore_errors=True)
             s = train(TrainArgs(data=(data,), policy=kind, steps=steps, batch_size=64, horizon=h, n_exec=ne,

@@ -94,25 +94,68 @@ class AutoregressiveVLA(VLAModel):
     @torch.no_grad()
     def sample_chunks(self, batch: dict[str, Any], temperature: float = 0.0, generator: torch.Generator | None = None,
                       cfg_scale: float | None = None, **_: Any) -> torch.Tensor:
-        """Decode H*A tokens one by one (greedy at temperature 0). Returns normalized chunks."""
+        """Decode H*A tokens one by one (greedy at temperature 0) with a key/value cache, so each
+        token costs one position through the network instead of the whole sequence so far.
+        With classifier-free guidance the conditional and unconditional branches share a batch.
+        Returns normalized chunks."""
         prefix, pad = self.prefix(batch)
         B = prefix.shape[0]
         w = self.config.cfg_scale if cfg_scale is None else float(cfg_scale)
         if w != 1.0:
             uprefix, upad = self.prefix(batch, drop_lang=torch.ones(B, dtype=torch.bool))
-        tokens = torch.zeros(B, 0, dtype=torch.long, device=self.device)
-        for _ in range(self.n_tokens):
-            lg = self.logits(prefix, pad, tokens)[:, -1].float()
+            prefix, pad = torch.cat([prefix, uprefix]), torch.cat([pad, upad])
+        cache = self._prefix_cache(prefix, pad)
+        nb = self.config.n_bins
+        nxt = torch.full((prefix.shape[0],), nb, dtype=torch.long, device=self.device)  # BOS
+        tokens = []
+        for j in range(self.n_tokens):
+            x = (self.bin_emb(nxt) + self.pos_emb[0, j] + self.type_emb[3])[:, None]
+            lg = self.head(self.final_norm(self._cached_step(x, cache)))[:, 0].float()
             if w != 1.0:
-                lu = self.logits(uprefix, upad, tokens)[:, -1].float()
-                lg = lu + w * (lg - lu)
+                lc, lu = lg[:B], lg[B:]
+                lg = lu + w * (lc - lu)
             if temperature > 0:
-                probs = F.softmax(lg / temperature, -1)
-                nxt = torch.multinomial(probs, 1, generator=generator)
+                tok = torch.multinomial(F.softmax(lg / temperature, -1), 1, generator=generator)[:, 0]
             else:
-                nxt = lg.argmax(-1, keepdim=True)
-            tokens = torch.cat([tokens, nxt], 1)
-        return self.detokenize(tokens)
+                tok = lg.argmax(-1)
+            tokens.append(tok)
+            nxt = tok.repeat(2) if w != 1.0 else tok
+        return self.detokenize(torch.stack(tokens, 1))
+
+    def _qkv(self, layer: nn.TransformerEncoderLayer, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        sa = layer.self_attn
+        B, n, d = x.shape
+        h = sa.num_heads
+        q, k, v = F.linear(layer.norm1(x), sa.in_proj_weight, sa.in_proj_bias).chunk(3, -1)
+        return tuple(t.view(B, n, h, d // h).transpose(1, 2) for t in (q, k, v))
+
+    def _finish(self, layer: nn.TransformerEncoderLayer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """Residual, output projection and feed-forward of a pre-norm encoder layer (eval mode)."""
+        B, _, n, _ = att.shape
+        x = x + layer.self_attn.out_proj(att.transpose(1, 2).reshape(B, n, -1))
+        return x + layer.linear2(layer.activation(layer.linear1(layer.norm2(x))))
+
+    def _prefix_cache(self, prefix: torch.Tensor, pad: torch.Tensor) -> dict[str, Any]:
+        """Keys/values of the conditioning tokens per layer (they never attend to actions)."""
+        allow = ~pad[:, None, None, :]  # (B, 1, 1, P): True = attend
+        ks, vs, x = [], [], prefix
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, x)
+            x = self._finish(layer, x, F.scaled_dot_product_attention(q, k, v, attn_mask=allow))
+            ks.append(k)
+            vs.append(v)
+        return {"k": ks, "v": vs, "allow": allow}
+
+    def _cached_step(self, x: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
+        """One new action token (B, 1, d) through every layer, appending its keys/values."""
+        ones = torch.ones(x.shape[0], 1, 1, 1, dtype=torch.bool, device=x.device)
+        cache["allow"] = allow = torch.cat([cache["allow"], ones], -1)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, x)
+            cache["k"][i] = K = torch.cat([cache["k"][i], k], 2)
+            cache["v"][i] = V = torch.cat([cache["v"][i], v], 2)
+            x = self._finish(layer, x, F.scaled_dot_product_attention(q, K, V, attn_mask=allow))
+        return x
 
     # ----- instruction scores (CIG) ---------------------------------------------------------
     def instruction_scores(self, batch: dict[str, Any], candidates: list[list[str]], tau: float = 1.0,
