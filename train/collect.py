@@ -37,7 +37,11 @@ class CollectArgs:
     instructions: tuple[str, ...] = ()
     """suites: restrict to these instructions (default: all)"""
     noise: float = 0.0
-    """expert action noise (std, in the expert's units)"""
+    """expert action noise (std, in the expert's units): the noisy action is executed AND recorded"""
+    dart_noise: float = 0.0
+    """DART (Laskey et al. 2017): execute the expert action plus N(0, dart_noise^2) (clipped to the
+    action space) but record the clean expert action, so demos visit states off the expert's path
+    and show how to get back; for policies that must recover from a detour (guided collision runs)"""
     keep_failures: bool = False
     """also write episodes where the expert failed"""
     max_attempts: int | None = None
@@ -69,6 +73,11 @@ def collect(args: CollectArgs) -> dict[str, Any]:
             "suite": suite.name if suite else None,
             "instructions": [t.instruction for t in tasks] if suite else [env.instruction],
             "control_mode": getattr(env, "control_mode", None)}
+    if args.dart_noise < 0:
+        raise InvalidOptionError(f"--dart-noise must be >= 0, got {args.dart_noise}")
+    meta["dart_noise"] = args.dart_noise
+    dart_rng = np.random.default_rng(args.seed + 7919)
+    low, high = env.action_space.low, env.action_space.high
     attempts_max = args.max_attempts or 3 * args.episodes
     written = attempts = successes = steps = 0
     t0 = time.time()
@@ -85,7 +94,9 @@ def collect(args: CollectArgs) -> dict[str, Any]:
             for _ in range(env.max_episode_steps):
                 sim = env.get_sim_state()
                 action = expert.act(obs)
-                nobs, reward, term, trunc, info = env.step(action)
+                executed = action if args.dart_noise == 0 else np.clip(
+                    action + dart_rng.normal(0, args.dart_noise, action.shape), low, high).astype(action.dtype)
+                nobs, reward, term, trunc, info = env.step(executed)
                 buf.add(obs, action, reward, info["success"], sim)
                 obs = nobs
                 if info["success"] or trunc:

@@ -38,8 +38,9 @@ class DemoArgs:
     cig_steps: int = 300
     cig_weight: float = 1.0
     eval_episodes: int = 24
-    collision_demos: int = 60
-    collision_steps: int = 1500
+    collision_demos: int = 120
+    """straight reaches without obstacles, collected with DART noise (so the policy can recover after a detour)"""
+    collision_steps: int = 2000
     collision_episodes: int = 12
     guidance_scale: float = 10.0
     server_episodes: int = 3
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     t = _stage("5/6 collision avoidance: unguided vs Coupled Guidance")
     cdata = a.out / "reach.h5"
     if not cdata.exists():
-        collect(CollectArgs(env="maniskill/CollisionAvoidance-v1", episodes=a.collision_demos, out=cdata, seed=a.seed))
+        collect(CollectArgs(env="maniskill/CollisionAvoidance-v1", episodes=a.collision_demos, out=cdata, seed=a.seed,
+                            dart_noise=0.3))
     cdir = a.out / "reach"
     if not (cdir / "ckpt").exists():
         shutil.rmtree(cdir, ignore_errors=True)

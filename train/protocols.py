@@ -1,0 +1,334 @@
+"""Evaluation protocols that show whether a policy listens to its instruction.
+
+- :func:`swap_eval` — instruction swap: every seed's initial state rolled out under every
+  instruction of the suite. A policy that ignores the instruction can succeed on at most one
+  instruction per state (about 1/K of the episodes) and "does a different task" on the rest.
+- :func:`correlated_split_eval` — a policy trained on ``layout="correlated"`` (the scene predicts
+  the task) evaluated in distribution (correlated) and on the split (``layout="random"``), on
+  the same seeds. A policy that reads the task off the scene falls to about 1/K on the split.
+- :func:`perturbation_eval` — success under each LIBERO-Plus-style perturbation family of
+  :mod:`envs.perturbations`, next to the clean success on the same seeds; families that cannot
+  apply to the env (e.g. camera shifts without cameras) are reported as skipped with the reason.
+
+All return JSON-ready dicts with success rates and 95% Wilson intervals. Episodes run through
+:func:`train.evaluate.rollout` / :func:`train.evaluate.evaluate`; a policy is anything with
+``reset()`` and ``select_action(obs)`` (and ``config`` for the dimension check).
+:class:`ExpertPolicy` makes a suite's privileged expert into such a policy (the reference
+the protocols are checked against).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+from tqdm import tqdm
+
+import envs
+from envs.errors import InstructionError, InvalidOptionError
+from envs.metrics import wilson
+from envs.perturbations import FAMILIES, EnvWrapper, base_env, check_family, not_applicable, perturb
+from train.evaluate import EvalResult, check_compatible, evaluate, rollout
+
+
+# ===================================================================================== #
+# The scripted expert as a policy
+# ===================================================================================== #
+@dataclass
+class ExpertConfig:
+    """Dimensions of the env an :class:`ExpertPolicy` is bound to (for ``check_compatible``)."""
+
+    state_dim: int
+    action_dim: int
+    cameras: tuple[str, ...] = ()
+
+
+class ExpertPolicy:
+    """A suite's privileged expert behind the policy interface (``reset``, ``select_action``).
+
+    At the first action of an episode it reads the task from ``obs["instruction"]`` (canonical
+    instruction or paraphrase) and makes ``env.make_expert(task_id=...)`` for it. With ``task``
+    (id or instruction) it always acts for that task whatever it is told: a policy that ignores
+    its instruction. Subclasses can override :meth:`task_for`. Protocols call :meth:`bind` with
+    the env the episodes run in (the expert reads its simulator).
+    """
+
+    def __init__(self, env: Any = None, task: int | str | None = None, noise: float = 0.0,
+                 seed: int | None = None):
+        self.env: Any = None
+        self.fixed_task = task
+        self.noise, self.seed = float(noise), seed
+        self._expert: Any = None
+        if env is not None:
+            self.bind(env)
+
+    def bind(self, env: Any) -> None:
+        self.env = env
+        suite = getattr(env, "suite", None)
+        if self.fixed_task is not None:
+            if suite is None:
+                raise InvalidOptionError(f"ExpertPolicy(task=...) needs a suite env, got {getattr(env, 'env_id', env)!r}")
+            suite.task(self.fixed_task)  # validates
+
+    @property
+    def config(self) -> ExpertConfig:
+        if self.env is None:
+            raise RuntimeError("ExpertPolicy is not bound to an env: call bind(env)")
+        return ExpertConfig(int(self.env.state_dim), int(self.env.action_space.shape[0]), tuple(self.env.cameras))
+
+    def task_for(self, obs: dict) -> int | None:
+        """The task to act for in this episode (None: the expert's own default)."""
+        suite = getattr(self.env, "suite", None)
+        if suite is None:
+            return None
+        key = self.fixed_task if self.fixed_task is not None else obs["instruction"]
+        return suite.task(key).task_id
+
+    def reset(self) -> None:
+        self._expert = None
+
+    def select_action(self, obs: dict) -> np.ndarray:
+        if self.env is None:
+            raise RuntimeError("ExpertPolicy is not bound to an env: call bind(env)")
+        if self._expert is None:
+            tid = self.task_for(obs)
+            opts: dict[str, Any] = {"noise": self.noise, "seed": self.seed}
+            if tid is not None:
+                opts["task_id"] = tid
+            self._expert = self.env.make_expert(**opts)
+            self._expert.reset(self.env, obs)
+        return self._expert.act(obs)
+
+
+# ===================================================================================== #
+# Helpers
+# ===================================================================================== #
+class _Tracked(EnvWrapper):
+    """What the protocols need around an env: ``info["completed_tasks"]`` as a bool mask over the
+    suite's tasks (backends report a mask or a list of task ids), the simulator state at every
+    reset (to check that a swap really starts from one state), and extra reset options."""
+
+    def __init__(self, env: Any, reset_options: dict | None = None):
+        super().__init__(env)
+        self.reset_options = dict(reset_options or {})
+        self.initial_states: list[np.ndarray | None] = []
+        suite = getattr(env, "suite", None)
+        self._n_tasks = len(suite.tasks) if suite is not None else 0
+
+    def _mask(self, info: dict) -> dict:
+        done = info.get("completed_tasks")
+        if done is None or not self._n_tasks:
+            return info
+        arr = np.asarray(done)
+        if not (arr.dtype == bool and arr.shape == (self._n_tasks,)):
+            mask = np.zeros(self._n_tasks, dtype=bool)
+            mask[arr.astype(int).reshape(-1)] = True
+            arr = mask
+        return {**info, "completed_tasks": arr}
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        obs, info = self.env.reset(seed=seed, options={**self.reset_options, **(options or {})})
+        state = base_env(self.env).get_sim_state()
+        self.initial_states.append(None if state is None else np.asarray(state).copy())
+        return obs, self._mask(info)
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return obs, reward, terminated, truncated, self._mask(info)
+
+
+def _make(policy: Any, env_id: str, env_options: dict | None) -> Any:
+    """``envs.make`` with the cameras the policy reads (unless the options name them)."""
+    opts = dict(env_options or {})
+    cams = tuple(getattr(getattr(policy, "config", None), "cameras", ()) or ()) if not isinstance(policy, ExpertPolicy) else ()
+    if cams and "cameras" not in opts:
+        opts["cameras"] = cams
+        opts.setdefault("image_size", getattr(policy.config, "image_size", 128))
+    return envs.make(env_id, **opts)
+
+
+def _prepare(policy: Any, env: Any) -> None:
+    if hasattr(policy, "bind"):
+        policy.bind(env)
+    if hasattr(policy, "config"):
+        check_compatible(policy, env)
+
+
+def _rate(k: int, n: int) -> dict[str, Any]:
+    return {"rate": k / n if n else 0.0, "ci95": list(wilson(k, n))}
+
+
+def _check_seeds(seeds: Iterable[int]) -> list[int]:
+    out = list(seeds)
+    if not out or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in out):
+        raise InvalidOptionError(f"seeds must be a non-empty list of ints, got {out!r}")
+    return [int(s) for s in out]
+
+
+# ===================================================================================== #
+# Instruction swap
+# ===================================================================================== #
+def swap_eval(policy: Any, env_id: str, seeds: Iterable[int], instructions: list[str] | None = None,
+              env_options: dict | None = None, env: Any = None, progress: bool = False) -> dict[str, Any]:
+    """Roll every seed's initial state out under every instruction (default: all of the suite's).
+
+    Success only when the commanded task is done. Reports the swap success rate, the rate of
+    episodes that completed a different task of the suite instead, the rate of seeds on which
+    every instruction succeeded, per-instruction and per-seed results, and whether each seed
+    really started from one simulator state under every instruction (``same_initial_state``:
+    false e.g. under ``layout="correlated"``, where the swap is not a swap).
+    """
+    seeds = _check_seeds(seeds)
+    own = env is None
+    env = _make(policy, env_id, env_options) if own else env
+    try:
+        suite = getattr(env, "suite", None)
+        if suite is None:
+            raise InvalidOptionError(f"{env_id}: the swap protocol needs a multi-instruction suite env; "
+                                     f"suites: {envs.list_envs(kind='suite')}")
+        instrs = list(instructions or suite.instructions)
+        if len(instrs) < 2:
+            raise InstructionError(f"the swap protocol needs >= 2 instructions, got {instrs}")
+        for s in instrs:
+            suite.task(s)
+        tracked = _Tracked(env)
+        _prepare(policy, tracked)
+        res = EvalResult(env_id, 0, 0)
+        per_seed: dict[str, dict[str, Any]] = {}
+        t0 = time.time()
+        bar = tqdm(total=len(seeds) * len(instrs), desc=f"swap {env_id}", disable=not progress, unit="ep")
+        for seed in seeds:
+            tracked.initial_states.clear()
+            wins = others = 0
+            for instr in instrs:
+                out = rollout(policy, tracked, seed, options={"instruction": instr})
+                res.episodes += 1
+                res.successes += out["success"]
+                res.other_task += out["other_task"]
+                wins += out["success"]
+                others += out["other_task"]
+                d = res.per_instruction.setdefault(instr, {"episodes": 0, "successes": 0, "did_other_task": 0})
+                d["episodes"] += 1
+                d["successes"] += int(out["success"])
+                d["did_other_task"] += int(out["other_task"])
+                bar.update()
+            states = tracked.initial_states
+            same = None if states[0] is None else all(np.allclose(s, states[0], rtol=0, atol=1e-6) for s in states)
+            per_seed[str(seed)] = {"successes": wins, "did_other_task": others, "all_success": wins == len(instrs),
+                                   "same_initial_state": same}
+        bar.close()
+        res.seconds = time.time() - t0
+    finally:
+        if own:
+            env.close()
+    for d in res.per_instruction.values():
+        d["success_rate"] = d["successes"] / d["episodes"]
+        d["ci95"] = list(wilson(d["successes"], d["episodes"]))
+        d["did_other_task_rate"] = d["did_other_task"] / d["episodes"]
+    out = res.to_dict()
+    all_ok = sum(v["all_success"] for v in per_seed.values())
+    sames = [v["same_initial_state"] for v in per_seed.values()]
+    return {
+        "protocol": "instruction_swap", "env_id": env_id, "seeds": seeds, "n_instructions": len(instrs),
+        "episodes": out["episodes"], "successes": out["successes"],
+        "swap_success_rate": out["success_rate"], "ci95": out["ci95"],
+        "did_other_task_rate": out["did_other_task_rate"],
+        "did_other_task_ci95": list(wilson(res.other_task, res.episodes)),
+        "chance_rate": 1.0 / len(instrs),
+        "all_instructions_success_rate": all_ok / len(seeds), "all_instructions_ci95": list(wilson(all_ok, len(seeds))),
+        "same_initial_state": None if None in sames else all(sames),
+        "per_instruction": out["per_instruction"], "per_seed": per_seed, "seconds": out["seconds"],
+    }
+
+
+# ===================================================================================== #
+# Correlated split
+# ===================================================================================== #
+SPLIT_LAYOUTS = {"in_distribution": "correlated", "split": "random"}
+
+
+def correlated_split_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 1000,
+                          env_options: dict | None = None, env: Any = None,
+                          progress: bool = False) -> dict[str, Any]:
+    """Success on ``layout="correlated"`` (in distribution for a policy trained there) and on
+    ``layout="random"`` (the split), same seeds and instruction cycle; ``gap`` = difference.
+
+    Without ``env``, one env per layout is made (``layout`` as a constructor option, works for
+    both suites). With ``env``, it is reused and the layout goes into every reset's options
+    (envs that take it there, e.g. the tabletop suite).
+    """
+    if isinstance(episodes, bool) or not isinstance(episodes, (int, np.integer)) or episodes <= 0:
+        raise InvalidOptionError(f"episodes must be a positive int, got {episodes!r}")
+    opts = dict(env_options or {})
+    if "layout" in opts:
+        raise InvalidOptionError("correlated_split_eval sets the layout itself; remove 'layout' from env_options")
+    out: dict[str, Any] = {"protocol": "correlated_split", "env_id": env_id, "episodes": int(episodes), "seed": seed}
+    for key, layout in SPLIT_LAYOUTS.items():
+        own = env is None
+        e = _make(policy, env_id, {**opts, "layout": layout}) if own else env
+        try:
+            tracked = _Tracked(e, reset_options=None if own else {"layout": layout})
+            _prepare(policy, tracked)
+            r = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress).to_dict()
+        finally:
+            if own:
+                e.close()
+        out[key] = {"layout": layout, **r}
+    out["gap"] = out["in_distribution"]["success_rate"] - out["split"]["success_rate"]
+    return out
+
+
+# ===================================================================================== #
+# Perturbations
+# ===================================================================================== #
+def perturbation_eval(policy: Any, env_id: str, families: Iterable[str] | None = None, episodes: int = 20,
+                      seed: int = 1000, env_options: dict | None = None, env: Any = None,
+                      params: dict[str, dict[str, Any]] | None = None, perturbation_seed: int = 0,
+                      clean: bool = True, progress: bool = False) -> dict[str, Any]:
+    """Success under each perturbation family (default: all) on the same seeds as the clean run.
+
+    ``params`` maps a family to its wrapper options (``{"camera": {"magnitude": 0.1}}``). A
+    family that cannot act on the env is reported as ``{"skipped": True, "reason": ...}``.
+    """
+    fams = list(FAMILIES if families is None else families)
+    for f in fams:
+        check_family(f)
+    params = dict(params or {})
+    bad = sorted(set(params) - set(fams))
+    if bad:
+        raise InvalidOptionError(f"params given for family(ies) {bad} that are not evaluated; evaluated: {fams}")
+    if isinstance(episodes, bool) or not isinstance(episodes, (int, np.integer)) or episodes <= 0:
+        raise InvalidOptionError(f"episodes must be a positive int, got {episodes!r}")
+    own = env is None
+    env = _make(policy, env_id, env_options) if own else env
+    out: dict[str, Any] = {"protocol": "perturbation", "env_id": env_id, "episodes": int(episodes), "seed": seed,
+                           "perturbation_seed": perturbation_seed, "families": {}}
+    t0 = time.time()
+    try:
+        if clean:
+            tracked = _Tracked(env)
+            _prepare(policy, tracked)
+            out["clean"] = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress).to_dict()
+        for fam in fams:
+            reason = not_applicable(env, fam)
+            if reason:
+                out["families"][fam] = {"skipped": True, "reason": reason}
+                continue
+            wrapped = perturb(env, fam, seed=perturbation_seed, **params.get(fam, {}))
+            try:
+                tracked = _Tracked(wrapped)
+                _prepare(policy, tracked)
+                r = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress).to_dict()
+            finally:
+                wrapped.restore()
+            r["perturbation"] = wrapped.describe()
+            if clean:
+                r["delta_vs_clean"] = r["success_rate"] - out["clean"]["success_rate"]
+            out["families"][fam] = {"skipped": False, **r}
+    finally:
+        if own:
+            env.close()
+    out["seconds"] = time.time() - t0
+    return out
