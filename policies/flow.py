@@ -104,7 +104,23 @@ class FlowMatchingVLA(VLAModel):
         M = n_draws
         t = torch.rand(B, M, generator=generator).to(self.device)
         x0 = torch.randn(B, M, H, A, generator=generator).to(self.device)
-        # expand to (B, K, M)
+        valid = None
+        if "action_pad" in batch:  # padded steps carry no information about the instruction
+            valid = (~torch.as_tensor(batch["action_pad"], device=self.device)).float()
+        if not detach_negatives:
+            return self._energy(batch, candidates, t, x0, x1, valid)
+        # Counterfactual energies carry no gradient: a separate no-grad pass, so the backward
+        # pass covers only the commanded branch (about 3x cheaper training step with K=3).
+        pos = self._energy(batch, [c[:1] for c in candidates], t, x0, x1, valid)
+        with torch.no_grad():
+            neg = self._energy(batch, [c[1:] for c in candidates], t, x0, x1, valid)
+        return torch.cat([pos, neg], 1)
+
+    def _energy(self, batch: dict[str, Any], candidates: list[list[str]], t: torch.Tensor, x0: torch.Tensor,
+                x1: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """(B, K) energies of the candidates under the shared draws t (B, M), x0 (B, M, H, A)."""
+        B, M, H, A = x0.shape
+        K = len(candidates[0])
         rep = {k: v for k, v in batch.items() if k in ("state", "images")}
         flat = _expand(rep, K * M)
         flat["instruction"] = [l for cands in candidates for l in cands for _ in range(M)]
@@ -114,15 +130,12 @@ class FlowMatchingVLA(VLAModel):
         xx1 = x1[:, None, None].expand(B, K, M, H, A).reshape(-1, H, A)
         x_t = (1 - tt)[:, None, None] * xx0 + tt[:, None, None] * xx1
         v = self.velocity(prefix, pad, x_t, tt)
-        err = ((v - (xx1 - xx0)) ** 2).mean((-1, -2))  # (B*K*M,)
-        if "action_pad" in batch:  # padded steps carry no information about the instruction
-            valid = (~torch.as_tensor(batch["action_pad"], device=self.device)).float()
+        if valid is None:
+            err = ((v - (xx1 - xx0)) ** 2).mean((-1, -2))  # (B*K*M,)
+        else:
             vv = valid[:, None, None].expand(B, K, M, H).reshape(-1, H)
             err = (((v - (xx1 - xx0)) ** 2).mean(-1) * vv).sum(-1) / vv.sum(-1).clamp_min(1)
-        E = err.view(B, K, M).mean(-1)
-        if detach_negatives:
-            E = torch.cat([E[:, :1], E[:, 1:].detach()], 1)
-        return E
+        return err.view(B, K, M).mean(-1)
 
     def instruction_scores(self, batch: dict[str, Any], candidates: list[list[str]], tau: float = 0.1,
                            n_draws: int = 4, generator: torch.Generator | None = None) -> torch.Tensor:
