@@ -13,7 +13,8 @@ nats, weight in nats per action-unit^2.
 
 What counts as a violation (documented choice): an episode violates when any *executed* action
 leaves ``[low - tol, high + tol]`` on a constrained dim (``tol`` = 0.02 action units, 1% of the
-actuator's range). The resulting joint position is reported too (``qpos_violation_rate``): the
+actuator's range), or when the sampler returns a non-finite chunk (the episode then ends as a
+failure; counted in ``nonfinite_rate``). The resulting joint position is reported too (``qpos_violation_rate``): the
 joint's ``qpos`` is mapped back to the action whose servo equilibrium it is (``_servo_map``) and
 tested against the same limits with tolerance ``qpos_tol`` (action units). A servo lags, is
 pushed by gravity and contacts, and some Adroit servos are weak (hammer's and pen's wrist: kp =
@@ -124,7 +125,13 @@ def _lim(dim: int, actuator: str, side: str, demo_min: float, demo_max: float) -
 # an arm/wrist joint plus a second widely used joint whose limit the expert, clamped to it in
 # closed loop, still solves (20 episodes, seeds 1000-1019): door 20/20 (68 vs 53 steps), hammer
 # 20/20 (43 vs 39), pen 14/20 (the unclamped expert: 14/20), relocate 20/20 (54 vs 50). So each
-# constraint is feasible, binds often, and changes how the task is done.
+# constraint is feasible, binds often, and changes how the task is done. The arm actuators of
+# door and relocate are stiff servos whose rest position is 2.5x the command (``_servo_map``):
+# relocate's ARTz limit (0.099) lies inside the joint's reachable command range [-0.55, 0.25],
+# so it limits the arm's height; door's ARTz limit (0.184) barely does (reach 0.25) and door's
+# ARRy limit (-0.518) lies beyond the reach [-0.40, 0.40], so on door the limits mostly cap the
+# force the arm may push with near its stops -- still an actuator command limit, but not a
+# joint-position one (door's qpos_violation_rate is 0 for every method).
 CONSTRAINTS: dict[str, AdroitConstraint] = {
     "door": AdroitConstraint("door", (
         _lim(0, "A_ARTz", "high", -0.725, 0.674),    # arm slide: 36% of demo frames above the new limit
@@ -148,7 +155,7 @@ CONSTRAINTS: dict[str, AdroitConstraint] = {
 def constraint_for(env_id: str) -> AdroitConstraint:
     """The constraint of ``adroit/<task>`` (or ``<task>``)."""
     task = env_id.split("/", 1)[1] if isinstance(env_id, str) and env_id.startswith("adroit/") else env_id
-    if task not in CONSTRAINTS:
+    if not isinstance(task, str) or task not in CONSTRAINTS:
         raise UnknownEnvError(f"no joint-limit constraint for env {env_id!r}; valid: "
                               f"{', '.join('adroit/' + t for t in CONSTRAINTS)}")
     return CONSTRAINTS[task]
@@ -246,34 +253,14 @@ def _embed(values: np.ndarray, dims: Sequence[int], action_dim: int) -> np.ndarr
     return out
 
 
-def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: float = 0.0, episodes: int = 20,
-                         seed: int = 3000, weight: float = 100.0, options: dict | None = None, tol: float = TOL,
-                         qpos_tol: float = QPOS_TOL, latency_calls: int = 5,
-                         env_pool: list | None = None) -> dict[str, Any]:
-    """Success and limit violations of ``policy`` on ``env_id`` under its tighter joint limits.
-
-    Episodes run in lockstep (episode ``i`` on seed ``seed + i``), one batched sampler call per
-    chunk boundary for all running episodes; the initial noise of every call comes from a
-    generator seeded with ``seed``, so methods are compared on the same noise. ``ms_per_chunk``
-    is the median of ``latency_calls`` single-observation calls (what a robot waits), and
-    ``ms_per_chunk_batched`` the amortized time in the batched rollouts. ``env_pool``: reuse
-    already made envs (at least ``episodes`` of ``env_id``).
-    """
-    constraint = constraint_for(env_id)
-    env_id = f"adroit/{constraint.task}"
-    _parse_method(method)
-    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
-        raise InvalidOptionError(f"episodes must be an integer >= 1; got {episodes!r}")
-    guide = make_guide(policy, constraint, method, scale, weight, options)
-    clip = _parse_method(method)[1]
-    own = env_pool is None
-    pool = [envs.make(env_id) for _ in range(episodes)] if own else list(env_pool)[:episodes]
-    if len(pool) < episodes:
-        raise InvalidOptionError(f"env_pool holds {len(pool)} envs, need {episodes}")
+def _rollouts(policy: Any, constraint: AdroitConstraint, pool: list, guide: guidance.Guidance | None, clip: bool,
+              episodes: int, seed: int, tol: float, latency_calls: int) -> dict[str, Any]:
+    """Lockstep rollouts of ``episodes`` envs of ``pool``; raw per-episode arrays and counters."""
     constraint.check_env(pool[0])
     adim = pool[0].action_space.shape[0]
     if int(policy.config.action_dim) != adim:
-        raise InvalidOptionError(f"policy action_dim {policy.config.action_dim} != {env_id} action dim {adim}")
+        raise InvalidOptionError(f"policy action_dim {policy.config.action_dim} != adroit/{constraint.task} "
+                                 f"action dim {adim}")
     adr, (k_servo, act_mean, act_rng) = _servo_map(pool[0], constraint.dims)
     H, n_exec = int(policy.config.horizon), int(policy.config.n_exec)
     gen = torch.Generator().manual_seed(int(seed))
@@ -283,6 +270,7 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
     active = np.ones(episodes, bool)
     success = np.zeros(episodes, bool)
     steps = np.zeros(episodes, int)
+    nonfinite = np.zeros(episodes, bool)  # a chunk with NaN/inf: the episode fails there
     a_max = np.zeros(episodes)        # largest executed excess (action units)
     a_sum = np.zeros(episodes)        # summed executed excess over steps and dims
     q_max = np.zeros(episodes)        # largest joint-position excess (action units, via the servo map)
@@ -307,8 +295,11 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
             n_chunks += idx.size
             t_batched += dt
             for j, i in enumerate(idx):
+                if not np.isfinite(chunks[j]).all():  # the sampler diverged: no valid command
+                    nonfinite[i] = True
+                    active[i] = False
                 queues[i] = list(chunks[j, :n_exec])
-        for i in idx:
+        for i in np.flatnonzero(active):
             a = queues[i].pop(0)
             if clip:
                 a = constraint.clip(a)
@@ -330,21 +321,58 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
     for o in first_obs[:max(0, latency_calls)]:
         _, _, dt = sample_chunks(policy, [o], guide, torch.randn(1, H, adim, generator=gen))
         latency.append(dt)
-    if own:
-        for e in pool:
-            e.close()
+    return {"success": success, "steps": steps, "nonfinite": nonfinite, "a_max": a_max, "a_sum": a_sum, "q_max": q_max,
+            "chunk_viol": chunk_viol, "chunk_entries": chunk_entries, "nfe": nfe, "n_backward": n_backward,
+            "calls": calls, "n_chunks": n_chunks, "t_batched": t_batched, "latency": latency}
+
+
+def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: float = 0.0, episodes: int = 20,
+                         seed: int = 3000, weight: float = 100.0, options: dict | None = None, tol: float = TOL,
+                         qpos_tol: float = QPOS_TOL, latency_calls: int = 5,
+                         env_pool: list | None = None) -> dict[str, Any]:
+    """Success and limit violations of ``policy`` on ``env_id`` under its tighter joint limits.
+
+    Episodes run in lockstep (episode ``i`` on seed ``seed + i``), one batched sampler call per
+    chunk boundary for all running episodes; the initial noise of every call comes from a
+    generator seeded with ``seed``, so methods are compared on the same noise. ``ms_per_chunk``
+    is the median of ``latency_calls`` single-observation calls (what a robot waits), and
+    ``ms_per_chunk_batched`` the amortized time in the batched rollouts. ``env_pool``: reuse
+    already made envs (at least ``episodes`` of ``env_id``).
+    """
+    constraint = constraint_for(env_id)
+    env_id = f"adroit/{constraint.task}"
+    _parse_method(method)
+    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
+        raise InvalidOptionError(f"episodes must be an integer >= 1; got {episodes!r}")
+    guide = make_guide(policy, constraint, method, scale, weight, options)
+    clip = _parse_method(method)[1]
+    own = env_pool is None
+    pool = [envs.make(env_id) for _ in range(episodes)] if own else list(env_pool)[:episodes]
+    if len(pool) < episodes:
+        raise InvalidOptionError(f"env_pool holds {len(pool)} envs, need {episodes}")
+    try:
+        raw = _rollouts(policy, constraint, pool, guide, clip, episodes, seed, tol, latency_calls)
+    finally:
+        if own:
+            for e in pool:
+                e.close()
+    success, steps, a_max, a_sum, q_max = (raw[k] for k in ("success", "steps", "a_max", "a_sum", "q_max"))
+    violated = (a_max > tol) | raw["nonfinite"]  # a NaN command is inside no limit
+    chunk_viol, chunk_entries, nfe, n_backward, calls, n_chunks, t_batched, latency = (
+        raw[k] for k in ("chunk_viol", "chunk_entries", "nfe", "n_backward", "calls", "n_chunks", "t_batched", "latency"))
     total_steps = int(steps.sum())
     return {"env_id": env_id, "method": method, "scale": float(scale), "episodes": episodes, "seed": seed,
             "weight": weight, "options": {k: (v.tolist() if isinstance(v, (Tensor, np.ndarray)) else v)
                                           for k, v in (options or {}).items()},
             "success_rate": float(success.mean()),
-            "violation_rate": float((a_max > tol).mean()),
+            "violation_rate": float(violated.mean()),
+            "nonfinite_rate": float(raw["nonfinite"].mean()),
             "qpos_violation_rate": float((q_max > qpos_tol).mean()),
             "violation_mean": float(a_sum.sum() / max(total_steps * len(constraint.dims), 1)),
             "violation_max": float(a_max.max()),
             "qpos_violation_max": float(q_max.max()),
             "chunk_violation_frac": chunk_viol / max(chunk_entries, 1),
-            "clean_success_rate": float((success & (a_max <= tol)).mean()),
+            "clean_success_rate": float((success & ~violated).mean()),
             "mean_steps": float(steps.mean()),
             "nfe_per_chunk": nfe / max(calls, 1), "backward_per_chunk": n_backward / max(calls, 1),
             "ms_per_chunk": 1000 * float(np.median(latency)) if latency else None,
