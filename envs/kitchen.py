@@ -9,8 +9,9 @@ state, so following the instruction is necessary and measurable:
     obs, info = env.reset(seed=0, options={"instruction": "put the green can in the bin"})
     expert = env.make_expert(); expert.reset(env, obs)
 
-``info["success"]`` is true only when the commanded task holds; ``info["completed_tasks"]`` lists
-every task whose condition holds (to report "did a different task").
+``info["success"]`` is true only when the commanded task holds; ``info["completed_tasks"]`` is a
+bool mask over the suite's tasks, True where the task's condition holds (to report "did a
+different task"; the same convention as the ManiSkill tabletop suite).
 
 Layouts: ``"random"`` draws the slot of every object from the seed alone (all instructions see
 the same initial state for a seed); ``"correlated"`` makes the slot assignment a function of the
@@ -252,7 +253,9 @@ class KitchenSuiteEnv(RobosuiteEnv):
         return bool(self.rs._check_success())
 
     def _extra_info(self) -> dict:
-        return {"completed_tasks": self.rs.completed_tasks(), "task_id": self.task_id}
+        mask = np.zeros(len(TASKS), dtype=bool)
+        mask[self.rs.completed_tasks()] = True
+        return {"completed_tasks": mask, "task_id": self.task_id}
 
     @property
     def task(self) -> Task:

@@ -69,7 +69,8 @@ class ExpertPolicy:
         suite = getattr(env, "suite", None)
         if self.fixed_task is not None:
             if suite is None:
-                raise InvalidOptionError(f"ExpertPolicy(task=...) needs a suite env, got {getattr(env, 'env_id', env)!r}")
+                raise InvalidOptionError("ExpertPolicy(task=...) needs a suite env, "
+                                         f"got {getattr(env, 'env_id', env)!r}")
             suite.task(self.fixed_task)  # validates
 
     @property
@@ -142,10 +143,11 @@ class _Tracked(EnvWrapper):
 def _make(policy: Any, env_id: str, env_options: dict | None) -> Any:
     """``envs.make`` with the cameras the policy reads (unless the options name them)."""
     opts = dict(env_options or {})
-    cams = tuple(getattr(getattr(policy, "config", None), "cameras", ()) or ()) if not isinstance(policy, ExpertPolicy) else ()
+    config = None if isinstance(policy, ExpertPolicy) else getattr(policy, "config", None)
+    cams = tuple(getattr(config, "cameras", ()) or ())
     if cams and "cameras" not in opts:
         opts["cameras"] = cams
-        opts.setdefault("image_size", getattr(policy.config, "image_size", 128))
+        opts.setdefault("image_size", getattr(config, "image_size", 128))
     return envs.make(env_id, **opts)
 
 
@@ -251,7 +253,7 @@ SPLIT_LAYOUTS = {"in_distribution": "correlated", "split": "random"}
 
 def correlated_split_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 1000,
                           env_options: dict | None = None, env: Any = None,
-                          progress: bool = False) -> dict[str, Any]:
+                          progress: bool = False, instructions: list[str] | None = None) -> dict[str, Any]:
     """Success on ``layout="correlated"`` (in distribution for a policy trained there) and on
     ``layout="random"`` (the split), same seeds and instruction cycle; ``gap`` = difference.
 
@@ -271,7 +273,8 @@ def correlated_split_eval(policy: Any, env_id: str, episodes: int = 24, seed: in
         try:
             tracked = _Tracked(e, reset_options=None if own else {"layout": layout})
             _prepare(policy, tracked)
-            r = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress).to_dict()
+            r = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress,
+                         instructions=instructions).to_dict()
         finally:
             if own:
                 e.close()
@@ -286,7 +289,8 @@ def correlated_split_eval(policy: Any, env_id: str, episodes: int = 24, seed: in
 def perturbation_eval(policy: Any, env_id: str, families: Iterable[str] | None = None, episodes: int = 20,
                       seed: int = 1000, env_options: dict | None = None, env: Any = None,
                       params: dict[str, dict[str, Any]] | None = None, perturbation_seed: int = 0,
-                      clean: bool = True, progress: bool = False) -> dict[str, Any]:
+                      clean: bool = True, progress: bool = False,
+                      instructions: list[str] | None = None) -> dict[str, Any]:
     """Success under each perturbation family (default: all) on the same seeds as the clean run.
 
     ``params`` maps a family to its wrapper options (``{"camera": {"magnitude": 0.1}}``). A
@@ -310,7 +314,8 @@ def perturbation_eval(policy: Any, env_id: str, families: Iterable[str] | None =
         if clean:
             tracked = _Tracked(env)
             _prepare(policy, tracked)
-            out["clean"] = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress).to_dict()
+            out["clean"] = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress,
+                                    instructions=instructions).to_dict()
         for fam in fams:
             reason = not_applicable(env, fam)
             if reason:
@@ -320,7 +325,8 @@ def perturbation_eval(policy: Any, env_id: str, families: Iterable[str] | None =
             try:
                 tracked = _Tracked(wrapped)
                 _prepare(policy, tracked)
-                r = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress).to_dict()
+                r = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress,
+                             instructions=instructions).to_dict()
             finally:
                 wrapped.restore()
             r["perturbation"] = wrapped.describe()
