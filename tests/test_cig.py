@@ -65,3 +65,36 @@ def test_cig_rejects_too_few_instructions():
         CIGObjective(p, SimpleNamespace(instructions=INSTR[:1]), CIGOptions(weight=1.0, negatives=1))
     with pytest.raises(ValueError, match="paraphrases"):
         CIGObjective(p, SimpleNamespace(instructions=INSTR), CIGOptions(weight=1.0, paraphrases_as_negatives=True))
+
+
+PAIR = ["push the red cube to the left goal", "push the red cube to the right goal"]
+
+
+@pytest.fixture(scope="module")
+def correlated_pair(tmp_path_factory):
+    """Tabletop demos of two tasks whose layouts differ (layout = task), plus held-out ones."""
+    from train.collect import CollectArgs, collect
+    d = tmp_path_factory.mktemp("cig_pair")
+    train = d / "corr.h5"
+    collect(CollectArgs(env="maniskill/TabletopSuite-v1", episodes=12, out=train, seed=0, layout="correlated",
+                        instructions=tuple(PAIR), progress=False))
+    return train
+
+
+def test_cig_makes_the_demonstrated_chunk_identify_its_instruction(correlated_pair, tmp_path):
+    """On a suite where the layout predicts the task, plain BC's energy tells the two
+    instructions apart; after a CIG continuation stage the shared-noise flow energy ranks the
+    commanded instruction first on the training demos (measured 0.79 -> 0.94 on 128 chunks; chance 0.5)."""
+    from train.bc import TrainArgs, train
+    from train.cig import identification_accuracy
+    from train.data import ChunkData
+    bc = train(TrainArgs(data=(correlated_pair,), policy="flow", steps=250, horizon=8, n_exec=4, out=tmp_path / "bc",
+                         wandb="disabled", progress=False, seed=0, save_every=10_000))
+    cig = train(TrainArgs(data=(correlated_pair,), policy="flow", steps=150, horizon=8, n_exec=4, out=tmp_path / "cig",
+                          init_from=tmp_path / "bc" / "ckpt", lr=3e-4, warmup_steps=10, batch_size=32,
+                          wandb="disabled", progress=False, seed=0, save_every=10_000,
+                          cig=CIGOptions(weight=1.0, negatives=1, draws=2, variant="full")))
+    data = ChunkData([correlated_pair], horizon=8)
+    acc_bc = identification_accuracy(policies.load(bc["ckpt"]), data, n=128)
+    acc_cig = identification_accuracy(policies.load(cig["ckpt"]), data, n=128)
+    assert acc_cig >= 0.9 and acc_cig >= acc_bc + 0.1, (acc_bc, acc_cig)

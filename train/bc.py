@@ -47,6 +47,9 @@ class CIGOptions:
     probe kept ~73% with it); bounded: hinge on the margin; pmi: log p(a|o,l*) - log p(a|o,null)"""
     margin: float = 1.0
     """bounded variant: hinge margin on s(l*) - s(l')"""
+    batch: int = 0
+    """samples of each batch that get the CIG term (0: all); the term costs ~5x a BC step on the
+    whole batch, so a joint run can apply it to a sub-batch"""
     paraphrases_as_negatives: bool = False
     """never True in practice: a paraphrase is not a counterfactual (kept for the ablation guard)"""
 

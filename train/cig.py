@@ -77,6 +77,8 @@ class CIGObjective:
     def __init__(self, policy: Any, data: Any, options: Any, seed: int = 0,
                  paraphrases: dict[str, list[str]] | None = None):
         self.policy, self.opt = policy, options
+        if options.batch < 0:
+            raise ValueError(f"CIG batch must be >= 0 (0: the whole batch), got {options.batch}")
         if options.paraphrases_as_negatives:
             raise ValueError("paraphrases are not counterfactual instructions; refusing paraphrases_as_negatives")
         # every task of our suites is feasible from every initial state: same scene = whole suite
@@ -99,6 +101,10 @@ class CIGObjective:
 
     def loss(self, batch: dict[str, Any], gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         o = self.opt
+        n = len(batch["instruction"])
+        if 0 < o.batch < n:  # the first o.batch samples (batches are already shuffled)
+            batch = {k: (v[: o.batch] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == n else v)
+                     for k, v in batch.items()}
         cands = self.sampler.draw(list(batch["instruction"]), gen)
         if o.variant == "pmi":
             cands = [[c[0], NULL_INSTRUCTION] for c in cands]
