@@ -169,7 +169,7 @@ def print_table(res: dict) -> None:
               f"{r['ms_per_chunk']:9.1f} {r['nfe_per_chunk']:5.0f}")
     s = res["server"]
     print(f"Through the policy server: success {s['success_rate']:.2f} over {s['n_episodes']} episodes, "
-          f"round trip p50 {s['rtt_p50_ms']} ms; recording {s['record']}")
+          f"round trip p50 {s['rtt_p50_ms']:.1f} ms; recording {s['record']}")
     print(f"Total {res['total_s'] / 60:.1f} min; stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in res["stages"].items()))
 
 
