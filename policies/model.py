@@ -31,6 +31,20 @@ class PolicyMismatchError(ValueError):
     """An observation, dataset or env that does not fit the policy (dims, cameras)."""
 
 
+def check_vocabulary(policy: Any, instructions: list[str], suite: Any = None, what: str = "the suite") -> None:
+    """Raise if ``policy`` was never trained on some of ``instructions`` (a checkpoint's vocabulary
+    is the instruction features it carries). With ``suite``, a paraphrase counts as its task's
+    canonical instruction, so paraphrase evaluation stays possible."""
+    known = set(policy.lang.cache)
+    if not known:
+        return
+    need = [suite.task(l).instruction if suite is not None else l for l in instructions]
+    missing = sorted({l for l in need if l not in known})
+    if missing:
+        raise PolicyMismatchError(f"the checkpoint was not trained on {len(missing)} instruction(s) {what} needs: "
+                                  f"{missing}; it knows {sorted(known)}")
+
+
 def sinusoidal(t: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)

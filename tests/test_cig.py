@@ -98,3 +98,22 @@ def test_cig_makes_the_demonstrated_chunk_identify_its_instruction(correlated_pa
     acc_bc = identification_accuracy(policies.load(bc["ckpt"]), data, n=128)
     acc_cig = identification_accuracy(policies.load(cig["ckpt"]), data, n=128)
     assert acc_cig >= 0.9 and acc_cig >= acc_bc + 0.1, (acc_bc, acc_cig)
+
+
+def test_cig_continuation_refuses_a_checkpoint_without_the_suite_vocabulary(correlated_pair, tmp_path):
+    from train.bc import TrainArgs, train
+    from train.collect import CollectArgs, collect
+    other = tmp_path / "blue.h5"
+    collect(CollectArgs(env="maniskill/TabletopSuite-v1", episodes=2, out=other, seed=5, layout="correlated",
+                        instructions=("push the blue cube to the left goal", "push the blue cube to the right goal"),
+                        progress=False))
+    train(TrainArgs(data=(other,), policy="flow", steps=2, horizon=8, n_exec=4, out=tmp_path / "bc",
+                    wandb="disabled", progress=False))
+    with pytest.raises(policies.PolicyMismatchError, match="not trained on 2 instruction"):
+        train(TrainArgs(data=(correlated_pair,), policy="flow", steps=2, horizon=8, n_exec=4, out=tmp_path / "cig",
+                        init_from=tmp_path / "bc" / "ckpt", wandb="disabled", progress=False,
+                        cig=CIGOptions(weight=1.0, negatives=1)))
+    from train.evaluate import evaluate
+    with pytest.raises(policies.PolicyMismatchError, match="red cube"):
+        evaluate(policies.load(tmp_path / "bc" / "ckpt"), "maniskill/TabletopSuite-v1", 1, instructions=PAIR,
+                 progress=False)

@@ -159,6 +159,9 @@ def train(args: TrainArgs) -> dict[str, Any]:
             raise policies.PolicyMismatchError(
                 f"{args.init_from} has state/action dims {(policy.config.state_dim, policy.config.action_dim)}, "
                 f"the data has {(data.state_dim, data.action_dim)}")
+        if args.cig.weight > 0:  # CIG grounds the instructions the checkpoint already follows
+            from policies.model import check_vocabulary
+            check_vocabulary(policy, data.instructions, what=f"the CIG data {list(args.data)}")
         if args.instruction_dropout:
             policy.config.instruction_dropout = args.instruction_dropout
     else:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 import envs
 from envs.metrics import wilson  # noqa: F401  (re-exported for callers)
-from policies.model import PolicyMismatchError
+from policies.model import PolicyMismatchError, check_vocabulary
 
 
 def check_compatible(policy: Any, env: Any) -> None:
@@ -90,6 +90,8 @@ def evaluate(policy: Any, env_id: str, episodes: int = 20, seed: int = 1000, env
     check_compatible(policy, env)
     suite = getattr(env, "suite", None)
     instrs = instructions or (suite.instructions if suite else [env.instruction])
+    if suite is not None and hasattr(policy, "lang"):
+        check_vocabulary(policy, instrs, suite, what=f"the {suite.name} suite")
     res = EvalResult(env_id, 0, 0)
     t0 = time.time()
     for i in tqdm(range(episodes), desc=f"eval {env_id}", disable=not progress, unit="ep"):

@@ -30,6 +30,7 @@ import envs
 from envs.errors import InstructionError, InvalidOptionError
 from envs.metrics import wilson
 from envs.perturbations import FAMILIES, EnvWrapper, base_env, check_family, not_applicable, perturb
+from policies.model import check_vocabulary
 from train.evaluate import EvalResult, check_compatible, evaluate, rollout
 
 
@@ -195,6 +196,8 @@ def swap_eval(policy: Any, env_id: str, seeds: Iterable[int], instructions: list
             raise InstructionError(f"the swap protocol needs >= 2 instructions, got {instrs}")
         for s in instrs:
             suite.task(s)
+        if hasattr(policy, "lang"):
+            check_vocabulary(policy, instrs, suite, what=f"the {suite.name} suite")
         tracked = _Tracked(env)
         _prepare(policy, tracked)
         res = EvalResult(env_id, 0, 0)
