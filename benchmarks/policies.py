@@ -32,6 +32,10 @@ TASKS = {  # env id -> (demos, train steps, horizon, n_exec)
     "robosuite/KitchenSuite": (60, 2000, 16, 8),
 }
 
+# AR decodes H * action_dim tokens per chunk: on the 28-dim door H=16 is 448 tokens, and training
+# ran 500 steps in 33 min on the shared cores (flow: 3000 in ~1 min). The AR door row uses H=4.
+AR_CHUNK = {"adroit/door": (4, 4)}
+
 
 def latency(kind: str, size: str, state_dim: int = 35, action_dim: int = 8, n: int = 50) -> dict[str, float]:
     cfg = policies.PolicyConfig(kind=kind, size=size, state_dim=state_dim, action_dim=action_dim, horizon=16, n_exec=8)
@@ -68,7 +72,8 @@ def main() -> None:
                 if env_id in a.tasks and kind in a.kinds and not a.latency_only:
                     continue  # re-run below
                 rows.append([env_id, kind, f"{r['success_rate']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]",
-                             r["episodes"], r["demos"], r["train_steps"], round(r["train_samples_per_s"])])
+                             r["episodes"], r["demos"], r["train_steps"], f"{r.get('horizon', 16)}/{r.get('n_exec', 8)}",
+                             round(r["train_samples_per_s"])])
     for env_id in ([] if a.latency_only else a.tasks):
         n_demos, steps, h, ne = TASKS[env_id]
         if a.quick:
@@ -76,6 +81,7 @@ def main() -> None:
         data = demos(env_id, n_demos)
         results["tasks"].setdefault(env_id, {})
         for kind in a.kinds:
+            h, ne = AR_CHUNK.get(env_id, TASKS[env_id][2:]) if kind == "ar" else TASKS[env_id][2:]
             out = ROOT / "runs" / "bench_policies" / f"{env_id.replace('/', '_')}_{kind}"
             shutil.rmtree(out, ignore_errors=True)
             s = train(TrainArgs(data=(data,), policy=kind, steps=steps, batch_size=64, horizon=h, n_exec=ne,
@@ -84,21 +90,21 @@ def main() -> None:
             ev = evaluate(pol, env_id, a.episodes if not a.quick else 10, seed=100_000, progress=False)
             lo, hi = wilson(ev.successes, ev.episodes)
             results["tasks"][env_id][kind] = {"success_rate": ev.success_rate, "episodes": ev.episodes, "ci95": [lo, hi],
-                                              "demos": n_demos, "train_steps": steps,
+                                              "demos": n_demos, "train_steps": steps, "horizon": h, "n_exec": ne,
                                               "train_samples_per_s": s["samples_per_s"], "eval_seconds": ev.seconds,
                                               "per_instruction": ev.per_instruction}
             results["train_samples_per_s"][f"{kind}_tiny/{env_id}"] = s["samples_per_s"]
             rows.append([env_id, kind, f"{ev.success_rate:.2f} [{lo:.2f}, {hi:.2f}]", ev.episodes, n_demos, steps,
-                         round(s["samples_per_s"])])
+                         f"{h}/{ne}", round(s["samples_per_s"])])
             print(rows[-1], flush=True)
             write("policies", results, md_table(["task", "policy", "success [95% CI]", "episodes", "demos",
-                                                 "train steps", "train samples/s"], rows))  # partial results survive
+                                                 "train steps", "H/n_exec", "train samples/s"], rows))  # partial results survive
     for kind in ("flow", "ar"):
         for size in ("tiny", "base"):
             results["latency_ms"][f"{kind}_{size}"] = latency(kind, size)
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     table = "## Success (tiny policies, state observations, same demos and steps)\n\n" + md_table(
-        ["task", "policy", "success [95% CI]", "episodes", "demos", "train steps", "train samples/s"], rows)
+        ["task", "policy", "success [95% CI]", "episodes", "demos", "train steps", "H/n_exec", "train samples/s"], rows)
     table += "\n## Chunk latency on this CPU (1 thread, H=16)\n\n" + md_table(
         ["policy", "p50 ms", "p99 ms", "params (M)"],
         [[k, v["p50"], v["p99"], v["params_m"]] for k, v in results["latency_ms"].items()])
