@@ -70,6 +70,10 @@ class Args:
     seed: int = 0
     quick: bool = False
     """tiny budgets, for a smoke run (numbers meaningless)"""
+    results: str = "cig"
+    """results file stem under benchmarks/results (separate stems let runs go in parallel)"""
+    merge: tuple[str, ...] = ()
+    """only merge the suites of these result stems into --results and rewrite its table and plot"""
 
 
 def _collect(suite: str, n: int, layout: str, seed: int, instructions: tuple[str, ...]) -> Path:
@@ -130,9 +134,18 @@ def main() -> None:
     for s in a.suites:
         if s not in SUITES:
             raise SystemExit(f"unknown suite {s!r}; valid: {list(SUITES)}")
-    path = RESULTS / ("cig_quick.json" if a.quick else "cig.json")
+    path = RESULTS / ("cig_quick.json" if a.quick else f"{a.results}.json")
     res = json.loads(path.read_text()) if path.exists() else {}
     res.setdefault("suites", {})
+    if a.merge:
+        for stem in a.merge:
+            other = json.loads((RESULTS / f"{stem}.json").read_text())
+            for suite, by_kind in other["suites"].items():
+                for kind, by_m in by_kind.items():
+                    res["suites"].setdefault(suite, {}).setdefault(kind, {}).update(by_m)
+            res.setdefault("meta", other.get("meta", {}))
+        _write(res, path)
+        return
     res["meta"] = {"machine": machine(), "cig": a.cig.__dict__, "cig_steps": a.cig_steps,
                    "joint_cig_batch": a.joint_cig_batch, "cfg": [a.cfg_dropout, a.cfg_scale],
                    "swap_seeds": a.swap_seeds, "split_episodes": a.split_episodes,
