@@ -52,6 +52,17 @@ def write(name: str, data: dict[str, Any], table: str, merge: bool = False) -> N
     print(table)
 
 
+def merge_json(path: Path, sections: dict[str, Any], indent: int = 2) -> dict[str, Any]:
+    """Replace ``sections`` of a results file shared by several benchmarks (guidance.json), keeping
+    every other section; written atomically (a per-process temp file, then rename). Returns the data."""
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data.update(sections)
+    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=indent, allow_nan=False))
+    os.replace(tmp, path)
+    return data
+
+
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, demos, machine, md_table  # noqa: E402
+from common import RESULTS, ROOT, demos, machine, md_table, merge_json  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -150,16 +150,12 @@ def table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], 
 
 def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str) -> None:
     """Merge the "adroit" sections into guidance.json (other sections kept), atomically."""
-    path = RESULTS / "guidance.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data["adroit"] = {t: {m: {k: r.get(k) for k in KEYS} for m, r in ms.items()} for t, ms in best.items()}
-    data["adroit_sweep"] = {t: {m: [{k: r.get(k) for k in KEYS} for r in runs] for m, runs in ms.items()}
-                            for t, ms in sweep.items()}
-    data["adroit_meta"] = {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHT, "tol": TOL,
-                           "machine": machine(), "threads": torch.get_num_threads()}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    merge_json(RESULTS / "guidance.json", {
+        "adroit": {t: {m: {k: r.get(k) for k in KEYS} for m, r in ms.items()} for t, ms in best.items()},
+        "adroit_sweep": {t: {m: [{k: r.get(k) for k in KEYS} for r in runs] for m, runs in ms.items()}
+                         for t, ms in sweep.items()},
+        "adroit_meta": {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHT, "tol": TOL,
+                        "machine": machine(), "threads": torch.get_num_threads()}})
     md = RESULTS / "guidance_adroit.md"
     tmp_md = md.with_suffix(".md.tmp")
     tmp_md.write_text(text)

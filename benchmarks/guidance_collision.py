@@ -16,14 +16,13 @@ guidance_collision.md and guidance_collision.png.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, demos, machine, md_table  # noqa: E402
+from common import RESULTS, ROOT, demos, machine, md_table, merge_json  # noqa: E402
 
 import tyro  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -99,12 +98,7 @@ def main() -> None:
             "no_obstacle_success": ref["no_obstacle"]["success_rate"], "seconds": time.time() - t0,
             "machine": machine(), "skipped": {"mc": "needs conditional chunk samples per observation",
                                               "cfg": "takes no cost"}}
-    path = RESULTS / "guidance.json"
-    res = json.loads(path.read_text()) if path.exists() else {}
-    res.update({"collision": final, "collision_sweep": sweep, "collision_meta": meta})
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(res, indent=2))
-    os.replace(tmp, path)
+    merge_json(RESULTS / "guidance.json", {"collision": final, "collision_sweep": sweep, "collision_meta": meta})
     free = ref["no_obstacle"]
     rows = [["no obstacles, unguided", "-", f"{free['success_rate']:.2f}", f"{free['collision_rate']:.2f}", "-", "-", "-"]]
     for m, r in final.items():

@@ -20,7 +20,6 @@ Writes the ``images`` and ``images_meta`` sections of ``benchmarks/results/guida
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -419,11 +418,8 @@ def plot(path: Path, shown: dict[str, dict[str, torch.Tensor]], tasks: dict[str,
 
 def write_json(path: Path, images: dict, meta: dict) -> None:
     """Replace the ``images``/``images_meta`` sections of the results file, keeping the rest; atomic."""
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data["images"], data["images_meta"] = images, meta
-    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, allow_nan=False))
-    os.replace(tmp, path)
+    from benchmarks.common import merge_json
+    merge_json(path, {"images": images, "images_meta": meta}, indent=1)
 
 
 def _json_safe(obj: Any) -> Any:
