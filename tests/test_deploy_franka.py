@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import recording
 
 from deploy.franka_sim import available
 
@@ -27,14 +28,7 @@ from deploy.scripted import JointTargetPolicy  # noqa: E402
 from deploy.server import PolicyServer  # noqa: E402
 
 
-class RecordingFranka(FrankaRobot):
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.received: list[np.ndarray] = []
-
-    def send_action(self, action):
-        self.received.append(np.array(action, copy=True))
-        super().send_action(action)
+RecordingFranka = recording(FrankaRobot)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import recording
 
 from deploy.client import LocalPolicy
 from deploy.control import ControlLoop, LoopConfig
@@ -19,16 +20,7 @@ from deploy.sim_robot import PANDA_MAX_ACCELERATION, SimRobot
 from envs.errors import InvalidOptionError
 
 
-class RecordingSimRobot(SimRobot):
-    """A SimRobot that also keeps every command its driver interface received."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.received: list[np.ndarray] = []
-
-    def send_action(self, action):
-        self.received.append(np.array(action, copy=True))
-        super().send_action(action)
+RecordingSimRobot = recording(SimRobot)
 
 
 @pytest.fixture(scope="module")
