@@ -28,3 +28,7 @@ class InstructionError(GroundflowError, ValueError):
 
 class InvalidStateError(GroundflowError, ValueError):
     """A simulator state or observation vector of the wrong size or with non-finite values."""
+
+
+class CheckpointError(GroundflowError, ValueError):
+    """A checkpoint or training state that is truncated, corrupt, inconsistent or unsafe to load."""

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         COMMANDS[cmd](rest)
     except (GroundflowError, ValueError, FileExistsError, FileNotFoundError) as e:
-        print(f"groundflow {cmd}: error: {e}", file=sys.stderr)
+        msg = " ".join(str(e).splitlines())  # one line, even for errors that wrap a multi-line message
+        print(f"groundflow {cmd}: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"groundflow {cmd}: interrupted", file=sys.stderr)

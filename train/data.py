@@ -39,6 +39,11 @@ class ChunkData:
                 idx = range(len(ds)) if episodes is None else episodes
                 for i in idx:
                     ep = ds.episode(i, images=bool(self.cameras))
+                    for name in ("state", "action"):  # a NaN sensor reading would only surface as a NaN loss
+                        bad = ~np.isfinite(getattr(ep, name)).all(axis=1)
+                        if bad.any():
+                            raise DatasetError(f"{path}: episode {i} has NaN/inf in {name} at steps "
+                                               f"{np.flatnonzero(bad)[:5].tolist()}; drop or repair it")
                     T = len(ep)
                     states.append(ep.state)
                     actions.append(ep.action)

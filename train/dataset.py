@@ -14,15 +14,25 @@ HDF5 layout (``format = "groundflow-dataset"``, ``version = 1``)::
         final_sim_state (D,)
         images/<camera> (T, h, w, 3) uint8
 
+Every per-episode array carries a ``crc32`` attribute of its raw bytes, checked when it is read, so
+flipped bytes are an error rather than silently different training data (files written before
+checksums existed have none and load unchecked).
+
 Writes are atomic: the writer fills ``PATH.partial`` and renames it to ``PATH`` only after
 ``complete`` is set, so a killed run never leaves a file that looks complete, and the episodes it
 did write stay readable in the ``.partial`` file (``Dataset(path, allow_incomplete=True)``).
+One writer per path: it holds an exclusive lock on ``PATH.lock`` before touching ``PATH.partial``
+(a second writer would otherwise truncate the first one's file), refuses to truncate a
+``.partial`` left by a killed run unless told to overwrite, and never renames over a ``PATH`` that
+appeared while it was writing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,6 +48,29 @@ VERSION = 1
 
 class DatasetError(GroundflowError, ValueError):
     """A dataset that is missing, truncated, incomplete or inconsistent."""
+
+
+def _crc32(a: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(a))
+
+
+def _lock(path: Path) -> int:
+    """Exclusive lock on ``path`` (created if needed); the fd holds it until closed. The inode is
+    re-checked after locking because a finishing writer unlinks the lock file it held."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DatasetError(f"{path.with_suffix('')} is being written by another process (it holds {path.name}); "
+                               "wait for it to finish or write to another path") from None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 @dataclass
@@ -107,11 +140,22 @@ class DatasetWriter:
     def __init__(self, path: str | os.PathLike, env_id: str, state_dim: int, action_dim: int,
                  cameras: tuple[str, ...] = (), meta: dict[str, Any] | None = None, overwrite: bool = False):
         self.path = Path(path)
-        if self.path.exists() and not overwrite:
-            raise FileExistsError(f"{self.path} exists; pass overwrite=True (--overwrite) to replace it")
+        self.overwrite = overwrite
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.with_name(self.path.name + ".partial")
-        self.f = h5py.File(self.tmp, "w")
+        self.lock = self.path.with_name(self.path.name + ".lock")
+        self._lock_fd: int | None = _lock(self.lock)  # before anything can truncate a .partial
+        try:
+            if self.path.exists() and not overwrite:
+                raise FileExistsError(f"{self.path} exists; pass overwrite=True (--overwrite) to replace it")
+            if self.tmp.exists() and not overwrite:
+                raise FileExistsError(f"{self.tmp} exists: an earlier run writing {self.path.name} did not finish (its "
+                                      "episodes are readable with Dataset(path, allow_incomplete=True)); pass "
+                                      "overwrite=True (--overwrite) to discard it")
+            self.f = h5py.File(self.tmp, "w")
+        except BaseException:
+            self._unlock()
+            raise
         a = self.f.attrs
         a["format"], a["version"], a["env_id"] = FORMAT, VERSION, env_id
         a["state_dim"], a["action_dim"] = int(state_dim), int(action_dim)
@@ -135,30 +179,52 @@ class DatasetWriter:
         g.attrs["instruction"], g.attrs["task_id"] = ep.instruction, int(ep.task_id)
         g.attrs["seed"] = -1 if ep.seed is None else int(ep.seed)
         g.attrs["length"], g.attrs["success"] = T, ep.succeeded
-        g.create_dataset("state", data=ep.state.astype(np.float32))
-        g.create_dataset("action", data=ep.action.astype(np.float32))
-        g.create_dataset("reward", data=np.asarray(ep.reward, np.float32).reshape(T))
-        g.create_dataset("success", data=np.asarray(ep.success, bool).reshape(T))
+        _put(g, "state", ep.state.astype(np.float32))
+        _put(g, "action", ep.action.astype(np.float32))
+        _put(g, "reward", np.asarray(ep.reward, np.float32).reshape(T))
+        _put(g, "success", np.asarray(ep.success, bool).reshape(T))
         if ep.final_state is not None:
-            g.create_dataset("final_state", data=np.asarray(ep.final_state, np.float32))
+            _put(g, "final_state", np.asarray(ep.final_state, np.float32))
         for name in ("sim_state", "final_sim_state"):  # simulator states keep their dtype (exact replay)
             v = getattr(ep, name)
             if v is not None:
-                g.create_dataset(name, data=np.asarray(v))
+                _put(g, name, np.asarray(v))
         for cam in self.cameras:
             if not ep.images or cam not in ep.images:
                 raise DatasetError(f"episode lacks images of camera {cam!r}")
-            img = ep.images[cam]
-            g.create_dataset(f"images/{cam}", data=img, chunks=(1, *img.shape[1:]), compression="lzf")
+            img = np.asarray(ep.images[cam])
+            _put(g, f"images/{cam}", img, chunks=(1, *img.shape[1:]), compression="lzf")
         self.n += 1
         self.f.attrs["n_episodes"] = self.n
         self.f.flush()  # episodes written so far survive a crash in the .partial file
 
     def close(self) -> Path:
-        self.f.attrs["complete"] = True
-        self.f.close()
-        os.replace(self.tmp, self.path)
+        try:
+            self.f.attrs["complete"] = True
+            self.f.close()
+            if self.overwrite:
+                os.replace(self.tmp, self.path)
+            else:
+                self._publish_new()
+        finally:
+            self._unlock()
         return self.path
+
+    def _publish_new(self) -> None:
+        """Rename ``.partial`` to ``path`` unless ``path`` appeared meanwhile (another tool, a copy):
+        a hard link is an atomic no-clobber rename; filesystems without links check, then rename."""
+        appeared = FileExistsError(f"{self.path} appeared while this run was writing it; not replacing it (the "
+                                   f"complete new data is in {self.tmp})")
+        try:
+            os.link(self.tmp, self.path)
+        except FileExistsError:
+            raise appeared from None
+        except OSError:
+            if self.path.exists():
+                raise appeared from None
+            os.replace(self.tmp, self.path)
+        else:
+            os.unlink(self.tmp)
 
     def abort(self) -> None:
         """Close without publishing: what was written stays in ``.partial`` for inspection."""
@@ -166,6 +232,16 @@ class DatasetWriter:
             self.f.close()
         except Exception:
             pass
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            try:  # unlink while still holding it (see _lock)
+                os.unlink(self.lock)
+            except FileNotFoundError:
+                pass
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> "DatasetWriter":
         return self
@@ -175,6 +251,10 @@ class DatasetWriter:
             self.close()
         else:
             self.abort()
+
+
+def _put(g: h5py.Group, name: str, data: np.ndarray, **kw: Any) -> None:
+    g.create_dataset(name, data=data, **kw).attrs["crc32"] = _crc32(data)
 
 
 class Dataset:
@@ -190,6 +270,18 @@ class Dataset:
             self.f = h5py.File(self.path, "r")
         except OSError as e:
             raise DatasetError(f"{self.path} is not a readable HDF5 dataset (truncated or corrupt?): {e}") from e
+        try:
+            self._read_index(allow_incomplete)
+        except DatasetError:
+            self.f.close()
+            raise
+        except (KeyError, OSError, ValueError, TypeError) as e:  # missing header fields, corrupt metadata
+            self.f.close()
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+            raise DatasetError(f"{self.path}: dataset header or episode index is missing or corrupt: {msg}") from e
+
+    def _read_index(self, allow_incomplete: bool) -> None:
+        """Header and per-episode shapes (a KeyError or OSError here means a damaged file)."""
         a = self.f.attrs
         if a.get("format") != FORMAT:
             raise DatasetError(f"{self.path} is not a groundflow dataset (format={a.get('format')!r})")
@@ -226,17 +318,29 @@ class Dataset:
         return len(self.keys)
 
     def episode(self, i: int, images: bool = True) -> Episode:
-        g = self.f["episodes"][self.keys[i]]
-        opt = lambda n: g[n][()] if n in g else None  # noqa: E731
+        key = self.keys[i]
         try:
+            g = self.f["episodes"][key]
+            read = lambda n: self._read(key, g, n)  # noqa: E731
+            opt = lambda n: read(n) if n in g else None  # noqa: E731
             return Episode(
-                state=g["state"][()], action=g["action"][()], reward=g["reward"][()], success=g["success"][()],
+                state=read("state"), action=read("action"), reward=read("reward"), success=read("success"),
                 instruction=str(g.attrs["instruction"]), task_id=int(g.attrs["task_id"]),
                 seed=None if int(g.attrs["seed"]) < 0 else int(g.attrs["seed"]),
-                images={c: g[f"images/{c}"][()] for c in self.cameras} if images and self.cameras else None,
+                images={c: read(f"images/{c}") for c in self.cameras} if images and self.cameras else None,
                 sim_state=opt("sim_state"), final_state=opt("final_state"), final_sim_state=opt("final_sim_state"))
         except (OSError, KeyError) as e:
-            raise DatasetError(f"{self.path}: episode {self.keys[i]} is unreadable (corrupt data): {e}") from e
+            raise DatasetError(f"{self.path}: episode {key} is unreadable (corrupt data): {e}") from e
+
+    def _read(self, key: str, g: h5py.Group, name: str) -> np.ndarray:
+        """One array, checked against the crc32 its writer stored (older files have none)."""
+        d = g[name]
+        a = d[()]
+        want = d.attrs.get("crc32")
+        if want is not None and _crc32(a) != int(want):
+            raise DatasetError(f"{self.path}: episode {key} field {name} fails its checksum (its bytes changed "
+                               "after it was written: corrupt file)")
+        return a
 
     def __iter__(self) -> Iterator[Episode]:
         for i in range(len(self)):
