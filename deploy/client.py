@@ -7,6 +7,10 @@ The handshake checks both ways: the client compares the server's metadata with `
 the server compares the client's hello with its policy; either refuses with a message naming
 both sides. ``healthy`` turns False as soon as the connection drops (the websocket's reader
 thread sees the close), which the control loop's watchdog reads every tick.
+
+Every chunk received must be finite and inside the action bounds the server announced, and
+inside ``action_bounds`` (the robot's action space, widened as the caller sees fit) when given;
+anything else raises ``ProtocolError`` and never becomes a plan.
 """
 
 from __future__ import annotations
@@ -44,10 +48,13 @@ def parse_address(address: str, default_port: int = 8000) -> tuple[str, int]:
 class PolicyClient:
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 5.0, *,
                  expect: dict[str, Any] | None = None, max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,
-                 connect: bool = True):
+                 connect: bool = True, action_bounds: tuple[Any, Any] | None = None):
         self.host, self.port, self.timeout = host, int(port), float(timeout)
         self.expect = dict(expect or {})
         self.max_message_bytes = int(max_message_bytes)
+        self.action_bounds = None if action_bounds is None else tuple(
+            np.asarray(b, np.float64).reshape(-1) for b in action_bounds)
+        self.server_bounds: tuple[np.ndarray, np.ndarray] | None = None
         self.metadata: dict[str, Any] = {}
         self._ws = None
         self._ids = itertools.count(1)
@@ -71,6 +78,9 @@ class PolicyClient:
             raise PolicyUnavailableError(f"cannot connect to the policy server at {self.uri}: {e}") from e
         try:
             meta = protocol.unpack(self._ws.recv(timeout=self.timeout), self.max_message_bytes)
+            if meta.get("type") == "error" and meta.get("code") == "busy":
+                self.close()
+                raise PolicyUnavailableError(f"policy server {self.uri} is busy: {meta.get('message')}")
             if meta.get("type") != "metadata" or meta.get("protocol") != protocol.PROTOCOL:
                 raise HandshakeError(f"{self.uri} is not a groundflow policy server (first message {meta.get('type')!r})")
             if meta.get("version") != protocol.VERSION:
@@ -98,6 +108,7 @@ class PolicyClient:
             raise HandshakeError(f"policy server {self.uri} closed the connection during the handshake: "
                                  f"{_close_reason(e)}") from e
         self.metadata = meta
+        self.server_bounds = _announced_bounds(meta)
         self._failed = None
         return meta
 
@@ -111,6 +122,15 @@ class PolicyClient:
         if cams is not None and not set(meta.get("cameras", [])) <= set(cams):
             problems.append(f"cameras: server's policy needs {sorted(meta.get('cameras', []))}, "
                             f"this client provides {sorted(cams)}")
+        n = meta.get("action_dim")
+        for key in ("action_low", "action_high"):
+            b = meta.get(key)
+            if b is not None and (not isinstance(b, list) or len(b) != n
+                                  or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in b)):
+                problems.append(f"{key} must be a list of {n} numbers, got {str(b)[:80]}")
+        if self.action_bounds is not None and any(len(b) != n for b in self.action_bounds):
+            problems.append(f"action_bounds: this client's have {len(self.action_bounds[0])} dims, "
+                            f"the server's policy {n}")
         if problems:
             raise HandshakeError(f"policy server {self.uri} does not fit this client: " + "; ".join(problems))
 
@@ -151,7 +171,9 @@ class PolicyClient:
         if seed is not None:
             msg["seed"] = int(seed)
         reply, rtt = self._request(msg)
-        actions = protocol.check_chunk(reply.get("actions"), self.metadata["action_dim"])
+        actions = protocol.check_chunk(reply.get("actions"), self.metadata["action_dim"], self.server_bounds)
+        if self.action_bounds is not None:
+            actions = protocol.check_chunk(actions, self.metadata["action_dim"], self.action_bounds)
         timing = {k: float(v) for k, v in (reply.get("timing") or {}).items() if isinstance(v, (int, float))}
         timing["rtt_ms"] = rtt * 1e3
         timing["overhead_ms"] = timing["rtt_ms"] - timing.get("infer_ms", 0.0)
@@ -196,6 +218,14 @@ class PolicyClient:
         return reply, rtt
 
 
+def _announced_bounds(meta: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """The chunk bounds in a server's metadata (None for policies without a trained range)."""
+    lo, hi = meta.get("action_low"), meta.get("action_high")
+    if lo is None or hi is None:
+        return None
+    return np.asarray(lo, np.float64), np.asarray(hi, np.float64)
+
+
 def _wire_obs(obs: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"state": np.asarray(obs["state"], np.float32), "instruction": obs.get("instruction", "")}
     if obs.get("images"):
@@ -233,7 +263,7 @@ class LocalPolicy:
         t0 = time.perf_counter()
         actions = np.asarray(self.policy.predict_action_chunk(obs, **kwargs), np.float32)
         ms = (time.perf_counter() - t0) * 1e3
-        return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"]),
+        return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"], _announced_bounds(self.metadata)),
                           {"infer_ms": ms, "rtt_ms": ms, "overhead_ms": 0.0})
 
     def reset(self) -> None:

@@ -38,6 +38,12 @@ class ServeArgs:
     """messages over this size are refused"""
     rtc_sigma: float = 0.05
     """real-time chunking: tolerance of the soft overlap target (normalized units)"""
+    idle_timeout: float = 60.0
+    """close a client connection that sent nothing for this long (s; 0: never)"""
+    max_connections: int = 16
+    """clients served at once; the next one is refused with a 'busy' error"""
+    paraphrases: int = 0
+    """0: serve only the checkpoint's instructions; N > 0: also encode others, keeping the N most recent"""
     seed: int = 0
 
 
@@ -117,7 +123,8 @@ def serve(argv: list[str]) -> None:
     from deploy.server import PolicyServer
     policy = load_policy(args)
     server = PolicyServer(policy, args.host, args.port, max_message_bytes=int(args.max_message_mb * 2 ** 20),
-                          rtc=RTCConfig(sigma=args.rtc_sigma))
+                          rtc=RTCConfig(sigma=args.rtc_sigma), idle_timeout_s=args.idle_timeout or None,
+                          max_connections=args.max_connections, paraphrases=args.paraphrases)
     server.bind()
     _stop_on_sigterm()
     print(json.dumps({k: v for k, v in server.metadata.items() if k != "type"}), flush=True)
@@ -167,8 +174,10 @@ def make_robot(args: DeployArgs, stack: list):
 def deploy(argv: list[str]) -> None:
     args = tyro.cli(DeployArgs, args=argv, prog="groundflow deploy")
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
+    from deploy import protocol
     from deploy.client import PolicyClient, parse_address
-    from deploy.control import ControlLoop, LoopConfig
+    from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
+    from deploy.errors import DeployError
     from deploy.recording import Recorder
     from deploy.safety import SafetyConfig, SafetyLayer
     if args.episodes < 1:
@@ -180,9 +189,12 @@ def deploy(argv: list[str]) -> None:
     try:
         robot.connect()
         spec = robot.spec
+        # a chunk beyond what the safety layer calls far out of limits is garbage: refuse it whole
         client = PolicyClient(host, port, timeout=args.timeout,
                               expect={"action_dim": spec.action_dim, "state_dim": spec.state_dim,
-                                      "cameras": list(spec.cameras)})
+                                      "cameras": list(spec.cameras)},
+                              action_bounds=protocol.widen_bounds(spec.action_low, spec.action_high,
+                                                                  SafetyConfig.far_margin))
         ws = args.workspace
         fk = getattr(robot, "forward_kinematics", None) if ws else None
         if ws and fk is None:
@@ -226,3 +238,6 @@ def deploy(argv: list[str]) -> None:
             robot.disconnect()
         for s in stack:
             s.stop()
+    abnormal = [f"episode {i}: {r['reason']}" for i, r in enumerate(results) if r["reason"] not in NORMAL_ENDS]
+    if abnormal:  # a script or service manager must see that the run did not go as asked
+        raise DeployError(f"{len(abnormal)} of {args.episodes} episode(s) ended abnormally ({'; '.join(abnormal)})")

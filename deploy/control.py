@@ -32,6 +32,10 @@ from deploy.robot import Obs, Robot
 from deploy.safety import SafetyConfig, SafetyLayer
 from envs.errors import InvalidOptionError
 
+NORMAL_ENDS = ("max_steps", "done")
+"""Episode ends of a run that went as asked; every other reason is abnormal (``groundflow deploy``
+exits non-zero)."""
+
 
 class ChunkSource(Protocol):
     metadata: dict[str, Any]
@@ -62,7 +66,7 @@ class LoopConfig:
     margin_steps: int = 1
     """request the next chunk this many ticks earlier than the measured latency needs"""
     max_hold_s: float = 2.0
-    """end the episode after holding this long because the policy was unavailable"""
+    """end the episode after holding this long because the policy was unavailable or failing"""
     stop_brake_s: float = 1.0
     """after a stop signal, keep commanding holds this long (braking to rest), then end"""
     status: bool = False
@@ -86,7 +90,8 @@ class EpisodeResult:
     steps: int
     success: bool
     reason: str
-    """max_steps | done | stop_signal | driver_error | policy_lost"""
+    """max_steps | done (normal ends) | stop_signal | driver_error | policy_lost (no connection) |
+    policy_failed (the server answered only errors) | interrupted (KeyboardInterrupt) | error (an exception)"""
     interventions: dict[str, int]
     timing: dict[str, Any]
     actions: np.ndarray = field(repr=False)
@@ -220,6 +225,8 @@ class ControlLoop:
         work: list[float] = []
         reason, hold_since, stop_at = "max_steps", None, None
         lost: str | None = None
+        failing: str | None = None  # the last request error since the last chunk was adopted
+        error: str | None = None
         t_next = time.perf_counter()
         last_status = 0.0
         step = 0
@@ -249,6 +256,7 @@ class ControlLoop:
                         infers.append(rep.timing.get("infer_ms", 0.0))
                         lat_steps = self._lat_steps(float(np.median(rtts[-10:])) / 1e3)
                         self._adopt(plan, ens, rep.actions, s, step)
+                        failing = None
                     if self._need_chunk(plan, ens, step, lat_steps + cfg.margin_steps):
                         prefix = plan.future(step) if cfg.rtc else None
                         fetcher.submit(obs, step, prefix, lat_steps, self._seed(step))
@@ -259,8 +267,10 @@ class ControlLoop:
                         rtts.append(rep.timing.get("rtt_ms", 0.0))
                         infers.append(rep.timing.get("infer_ms", 0.0))
                         self._adopt(plan, ens, rep.actions, step, step)
+                        failing = None
                     except DeployError as e:
                         safety._event("watchdog", f"policy request failed: {e}")
+                        failing = f"{type(e).__name__}: {e}"
                 # ---- command -------------------------------------------------------------
                 action = ens.action_at(step) if ens is not None else plan.action_at(step)
                 if fetcher is not None and fetcher.error is not None:
@@ -269,6 +279,7 @@ class ControlLoop:
                         lost = f"{type(err).__name__}: {err}"
                     else:  # the server answered with an error: log it, ask again next tick
                         safety._event("watchdog", f"policy request failed: {type(err).__name__}: {err}")
+                        failing = f"{type(err).__name__}: {err}"
                 healthy = lost is None and bool(getattr(self.source, "healthy", True))
                 sim_state = self._sim_state()
                 if safety.stop_requested:
@@ -303,16 +314,23 @@ class ControlLoop:
                 if hold_since is not None and not healthy and t_tick - hold_since >= cfg.max_hold_s:
                     reason = "policy_lost"
                     break
+                if hold_since is not None and failing is not None and t_tick - hold_since >= cfg.max_hold_s:
+                    reason = "policy_failed"  # connected, but every request since the plan ran out failed
+                    break
                 t_next += self.period
                 if cfg.realtime and time.perf_counter() > t_next + self.period:
                     t_next = time.perf_counter()  # fell behind by more than a tick: re-anchor
+        except BaseException as e:  # record why the episode really ended, not "max_steps"
+            reason = "interrupted" if isinstance(e, KeyboardInterrupt) else "error"
+            error = f"{type(e).__name__}: {e}"
+            raise
         finally:
             if fetcher is not None:
                 fetcher.close()
             if cfg.status:
                 sys.stderr.write("\n")
             if self.recorder is not None:
-                self._end_recording(reason)
+                self._end_recording(reason, error)
         result = EpisodeResult(
             steps=len(sent), success=bool(getattr(robot, "success", False)), reason=reason,
             interventions={k: v - counts0.get(k, 0) for k, v in safety.summary()["counts"].items()}, timing=_timing(ticks, sends, work, self.period, rtts, infers),
@@ -357,13 +375,14 @@ class ControlLoop:
         self.recorder.add(obs, cmd, float(getattr(self.robot, "last_reward", 0.0)),
                           bool(info.get("success", False)), sim_state)
 
-    def _end_recording(self, reason: str) -> None:
+    def _end_recording(self, reason: str, error: str | None = None) -> None:
         try:
             final = self.robot.get_observation()
         except Exception:
             final = None
         final_sim = self.robot.sim_state() if hasattr(self.robot, "sim_state") else None
-        self.recorder.end_episode(final, final_sim, {"reason": reason, **self.safety.summary()})
+        extra = {"error": error} if error else {}
+        self.recorder.end_episode(final, final_sim, {"reason": reason, **extra, **self.safety.summary()})
 
     def _status(self, step: int, ticks: list[float], rtts: list[float], n_holds: int) -> None:
         p = np.diff(ticks[-50:]) * 1e3 if len(ticks) > 2 else np.zeros(1)

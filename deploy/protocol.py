@@ -4,14 +4,21 @@ Messages (``type`` field):
 
     server -> client on connect  {"type": "metadata", "protocol": PROTOCOL, "version": VERSION,
                                   "action_dim", "state_dim", "cameras", "image_size", "horizon",
-                                  "n_exec", "policy_kind", "rtc", "max_message_bytes"}
+                                  "n_exec", "policy_kind", "rtc", "max_message_bytes",
+                                  "action_low", "action_high", "max_instruction_chars"}
+                                 or, when the server is full, {"type": "error", "code": "busy", ...}
     client -> server             {"type": "hello", "version", "action_dim", "state_dim", "cameras"}
     server -> client             {"type": "ready"} or {"type": "error", "code": "mismatch", ...}
     client -> server             {"type": "infer", "id", "obs": {...}, "prefix"?, "frozen"?, "seed"?}
     server -> client             {"type": "chunk", "id", "actions": (H, A) float32,
                                   "timing": {"decode_ms", "infer_ms", "server_ms"}}
     client -> server             {"type": "reset"}  -> {"type": "reset_ok"}
-    server -> client on failure  {"type": "error", "id"?, "code", "message"}
+    server -> client on failure  {"type": "error", "id"?, "code", "message"}; ``code`` is one of
+                                 ERROR_CODES, so a client can tell its own mistakes from the server's
+
+``action_low``/``action_high`` (lists, or None when the policy has no trained range) bound every
+chunk the server sends: a chunk outside them, or not finite, is an ``inference_failed`` reply,
+and the client checks the same bounds on what it receives.
 
 An array is ``{"__nd__": True, "dtype": "<f4", "shape": [...], "data": <bytes>}``: no
 per-element packing and no compression (images go as their raw uint8 bytes), so a 224x224x3
@@ -32,6 +39,19 @@ VERSION = 1
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 ALLOWED_DTYPES = ("|u1", "<f4", "<f8", "<i4", "<i8", "|b1", "<f2", "<u2", "<i2")
 MAX_DIMS = 8
+MAX_INSTRUCTION_CHARS = 512
+ERROR_CODES = {
+    "bad_hello": "the first message was not a valid hello",
+    "mismatch": "the client's dims, cameras or protocol version do not fit the served policy",
+    "busy": "the server already holds its maximum number of connections",
+    "bad_request": "a malformed request (wrong shapes, types, an over-long instruction, ...)",
+    "unknown_instruction": "the policy was not trained on this instruction and serves no paraphrases",
+    "inference_failed": "the policy raised, or produced a chunk that is not finite or far out of its range",
+}
+ACTION_MARGIN = 2.0
+"""A chunk may leave the policy's trained action range by this fraction of the range on each side
+(normalized units [-1 - 2m, 1 + 2m], i.e. +-5): even an untrained flow policy's noise stays inside,
+while absurd states or prefixes give NaN or 1e30 (garbage, not a policy extrapolating a little)."""
 
 
 def _encode_default(obj: Any) -> Any:
@@ -89,7 +109,8 @@ def unpack(raw: bytes | bytearray | str, max_bytes: int = MAX_MESSAGE_BYTES) -> 
     return msg
 
 
-def check_observation(obs: Any, state_dim: int, cameras: tuple[str, ...], max_image_side: int = 4096) -> dict:
+def check_observation(obs: Any, state_dim: int, cameras: tuple[str, ...], max_image_side: int = 4096,
+                      max_instruction_chars: int = MAX_INSTRUCTION_CHARS) -> dict:
     """Validate an observation received from the wire against the policy's metadata."""
     if not isinstance(obs, dict):
         raise ProtocolError("'obs' must be a map with 'state', 'instruction' and optional 'images'")
@@ -102,6 +123,8 @@ def check_observation(obs: Any, state_dim: int, cameras: tuple[str, ...], max_im
     instr = obs.get("instruction")
     if not isinstance(instr, str) or not instr.strip():
         raise ProtocolError(f"obs.instruction must be a non-empty string, got {instr!r}")
+    if len(instr) > max_instruction_chars:  # encoding cost grows with length; no task needs more
+        raise ProtocolError(f"obs.instruction has {len(instr)} characters; the limit is {max_instruction_chars}")
     out: dict[str, Any] = {"state": state.astype(np.float32), "instruction": instr}
     images = obs.get("images") or {}
     if not isinstance(images, dict):
@@ -122,9 +145,34 @@ def check_observation(obs: Any, state_dim: int, cameras: tuple[str, ...], max_im
     return out
 
 
-def check_chunk(actions: Any, action_dim: int) -> np.ndarray:
-    """Validate a received action chunk: (H, action_dim) finite floats."""
+def widen_bounds(low: Any, high: Any, margin: float) -> tuple[np.ndarray, np.ndarray]:
+    """``[low, high]`` widened by ``margin`` x (high - low) on each side; infinite ends stay infinite."""
+    lo, hi = np.asarray(low, np.float64).reshape(-1), np.asarray(high, np.float64).reshape(-1)
+    with np.errstate(invalid="ignore"):
+        pad = np.where(np.isfinite(hi - lo), margin * (hi - lo), np.inf)
+    return lo - pad, hi + pad
+
+
+def check_chunk(actions: Any, action_dim: int, bounds: tuple[Any, Any] | None = None) -> np.ndarray:
+    """Validate an action chunk: (H, action_dim) finite floats, inside ``bounds`` (low, high) if given.
+
+    Garbage from absurd inputs (NaN, 1e30) must never become a plan the robot follows."""
     if not isinstance(actions, np.ndarray) or actions.ndim != 2 or actions.shape[1] != action_dim or actions.shape[0] < 1:
         got = actions.shape if isinstance(actions, np.ndarray) else type(actions).__name__
         raise ProtocolError(f"reply actions must be an (H, {action_dim}) array, got {got}")
-    return actions.astype(np.float32)
+    if actions.dtype.kind not in "fiu":
+        raise ProtocolError(f"reply actions must be numbers, got dtype {actions.dtype}")
+    a = actions.astype(np.float32)
+    bad = ~np.isfinite(a)
+    if bad.any():
+        raise ProtocolError(f"action chunk is not finite: {int(bad.sum())} NaN/inf value(s) in dims "
+                            f"{np.flatnonzero(bad.any(0)).tolist()}")
+    if bounds is not None:
+        lo, hi = (np.asarray(b, np.float64).reshape(-1) for b in bounds)
+        out = (a < lo) | (a > hi)
+        if out.any():
+            d = int(np.flatnonzero(out.any(0))[0])
+            raise ProtocolError(f"action chunk is far outside the action bounds: dim {d} reaches "
+                                f"{float(a[:, d][out[:, d]][0]):.4g}, bounds [{lo[d]:.4g}, {hi[d]:.4g}] "
+                                f"(dims {np.flatnonzero(out.any(0)).tolist()} out)")
+    return a

@@ -8,6 +8,13 @@ and the connection stays open; a message over ``max_message_bytes`` is closed by
 layer with code 1009 and its reason. The server keeps serving other and later clients either
 way. Inference is serialized by a lock (one policy, one device).
 
+Clients cannot grow the server or stall each other: at most ``max_connections`` at a time (the
+next one gets a ``busy`` error), a connection idle for ``idle_timeout_s`` is closed, instructions
+are capped in length, a policy with a vocabulary serves only its checkpoint's instructions unless
+``paraphrases`` > 0 (then at most that many others are kept, never written to disk), and new
+instructions are encoded outside the inference lock. Every chunk sent is finite and inside the
+policy's trained action range widened by ``action_margin``; anything else is ``inference_failed``.
+
 Loopback (127.0.0.1) is the default: serving on another interface must be asked for.
 """
 
@@ -23,17 +30,33 @@ import numpy as np
 from deploy import protocol
 from deploy.errors import ProtocolError
 from deploy.rtc import RTCConfig, prefix_guide, supports_rtc
+from envs.errors import InvalidOptionError
 
 log = logging.getLogger("groundflow.deploy.server")
 
 
-def policy_metadata(policy: Any, max_message_bytes: int, rtc: bool) -> dict[str, Any]:
+def action_bounds(policy: Any, margin: float = protocol.ACTION_MARGIN) -> tuple[np.ndarray, np.ndarray] | None:
+    """The policy's trained action range (its normalizer's) widened by ``margin``; None without one."""
+    norm = getattr(policy, "normalizer", None)
+    if norm is None or not hasattr(norm, "action_min"):
+        return None
+    lo, hi = (np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, np.float64).reshape(-1)
+              for x in (norm.action_min, norm.action_max))
+    return protocol.widen_bounds(lo, hi, margin)
+
+
+def policy_metadata(policy: Any, max_message_bytes: int, rtc: bool,
+                    margin: float = protocol.ACTION_MARGIN) -> dict[str, Any]:
     c = policy.config
+    bounds = action_bounds(policy, margin)
     return {"type": "metadata", "protocol": protocol.PROTOCOL, "version": protocol.VERSION,
             "action_dim": int(c.action_dim), "state_dim": int(c.state_dim), "cameras": list(c.cameras),
             "image_size": int(getattr(c, "image_size", 0) or 0), "horizon": int(c.horizon),
             "n_exec": int(getattr(c, "n_exec", c.horizon)), "policy_kind": str(getattr(c, "kind", "")),
-            "rtc": bool(rtc), "max_message_bytes": int(max_message_bytes)}
+            "rtc": bool(rtc), "max_message_bytes": int(max_message_bytes),
+            "action_low": None if bounds is None else bounds[0].tolist(),
+            "action_high": None if bounds is None else bounds[1].tolist(),
+            "max_instruction_chars": protocol.MAX_INSTRUCTION_CHARS}
 
 
 def check_hello(meta: dict[str, Any], hello: dict[str, Any]) -> str | None:
@@ -60,18 +83,33 @@ class PolicyServer:
 
     def __init__(self, policy: Any, host: str = "127.0.0.1", port: int = 8000, *,
                  max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, rtc: RTCConfig | None = None,
-                 hello_timeout_s: float = 10.0):
+                 hello_timeout_s: float = 10.0, idle_timeout_s: float | None = 60.0, max_connections: int = 16,
+                 paraphrases: int = 0, action_margin: float = protocol.ACTION_MARGIN):
+        if max_connections < 1 or paraphrases < 0 or not action_margin >= 0:
+            raise InvalidOptionError(f"need max_connections >= 1, paraphrases >= 0 and action_margin >= 0, got "
+                                     f"{max_connections}, {paraphrases}, {action_margin}")
+        if idle_timeout_s is not None and not idle_timeout_s > 0:
+            raise InvalidOptionError(f"idle_timeout_s must be > 0 (or None: never), got {idle_timeout_s}")
         self.policy = policy
         self.host, self._port = host, int(port)
         self.max_message_bytes = int(max_message_bytes)
         self.rtc_config = rtc or RTCConfig()
         self.rtc = supports_rtc(policy)
-        self.metadata = policy_metadata(policy, self.max_message_bytes, self.rtc)
+        self.metadata = policy_metadata(policy, self.max_message_bytes, self.rtc, action_margin)
+        self.bounds = action_bounds(policy, action_margin)
         self.hello_timeout_s = hello_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_connections = int(max_connections)
+        self.paraphrases = int(paraphrases)
+        self.lang = getattr(policy, "lang", None)
+        if self.lang is not None and hasattr(self.lang, "serve"):
+            self.lang.serve(self.paraphrases)  # pin the checkpoint's instructions; bounded, no disk writes
         self._lock = threading.Lock()
+        self._conn_lock = threading.Lock()
+        self._active = 0
         self._server = None
         self._thread: threading.Thread | None = None
-        self.stats = {"connections": 0, "refused": 0, "requests": 0, "errors": 0}
+        self.stats = {"connections": 0, "refused": 0, "requests": 0, "errors": 0, "busy": 0, "idle_closed": 0}
 
     # ----- lifecycle ------------------------------------------------------------------------
     @property
@@ -79,6 +117,11 @@ class PolicyServer:
         if self._server is not None:
             return int(self._server.socket.getsockname()[1])
         return self._port
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now (refused ones not counted)."""
+        return self._active
 
     @property
     def address(self) -> str:
@@ -128,6 +171,19 @@ class PolicyServer:
     # ----- one connection -------------------------------------------------------------------
     def _handle(self, ws: Any) -> None:
         from websockets.exceptions import ConnectionClosed
+        with self._conn_lock:
+            full = self._active >= self.max_connections
+            self._active += 0 if full else 1
+        if full:  # answer and close at once: a refused client must not hold threads
+            self.stats["busy"] += 1
+            try:
+                ws.send(protocol.pack({"type": "error", "code": "busy", "message":
+                                       f"the policy server is serving its maximum of {self.max_connections} "
+                                       "connections; try again later"}))
+                ws.close(1013, "too many connections")
+            except ConnectionClosed:
+                pass
+            return
         self.stats["connections"] += 1
         try:
             ws.send(protocol.pack(self.metadata))
@@ -148,11 +204,19 @@ class PolicyServer:
                 return
             ws.send(protocol.pack({"type": "ready"}))
             while True:
-                raw = ws.recv()
+                try:
+                    raw = ws.recv(timeout=self.idle_timeout_s)
+                except TimeoutError:  # an idle client must not hold a connection slot forever
+                    self.stats["idle_closed"] += 1
+                    ws.close(1000, f"idle for more than {self.idle_timeout_s:g} s")
+                    return
                 t0 = time.perf_counter()
                 ws.send(protocol.pack(self._reply(raw, t0)))
         except ConnectionClosed:
             return
+        finally:
+            with self._conn_lock:
+                self._active -= 1
 
     def _refuse(self, ws: Any, code: str, message: str) -> None:
         self.stats["refused"] += 1
@@ -186,11 +250,22 @@ class PolicyServer:
                     raise ProtocolError(f"prefix must be a (k, {self.metadata['action_dim']}) array")
                 if not isinstance(frozen, int) or isinstance(frozen, bool) or frozen < 0:
                     raise ProtocolError(f"frozen must be an integer >= 0, got {frozen!r}")
+                if prefix.dtype.kind != "f" or not np.all(np.isfinite(prefix)):
+                    raise ProtocolError("prefix must be finite floats")
             if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
                 raise ProtocolError(f"seed must be an integer, got {seed!r}")
         except ProtocolError as e:
             self.stats["errors"] += 1
             return {"type": "error", "id": req_id, "code": "bad_request", "message": str(e)}
+        try:
+            unknown = self._prepare_instruction(obs["instruction"])
+        except Exception as e:  # the language encoder failed (e.g. MiniLM missing)
+            self.stats["errors"] += 1
+            log.exception("encoding an instruction failed")
+            return {"type": "error", "id": req_id, "code": "inference_failed", "message": f"{type(e).__name__}: {e}"}
+        if unknown is not None:
+            self.stats["errors"] += 1
+            return {"type": "error", "id": req_id, "code": "unknown_instruction", "message": unknown}
         t1 = time.perf_counter()
         try:
             with self._lock:
@@ -200,14 +275,36 @@ class PolicyServer:
             actions = np.asarray(actions, dtype=np.float32)
             if actions.ndim != 2 or actions.shape[1] != self.metadata["action_dim"]:
                 raise ValueError(f"policy returned actions of shape {actions.shape}, expected (H, {self.metadata['action_dim']})")
+            # absurd states or prefixes give NaN or 1e30 chunks: never send them as a plan
+            actions = protocol.check_chunk(actions, self.metadata["action_dim"], self.bounds)
         except Exception as e:  # inference errors are the policy's, reported, not fatal
             self.stats["errors"] += 1
-            log.exception("inference failed")
+            if isinstance(e, ProtocolError):
+                log.warning("refused the policy's chunk: %s", e)
+            else:
+                log.exception("inference failed")
             return {"type": "error", "id": req_id, "code": "inference_failed", "message": f"{type(e).__name__}: {e}"}
         self.stats["requests"] += 1
         return {"type": "chunk", "id": req_id, "actions": actions,
                 "timing": {"decode_ms": (t1 - t0) * 1e3, "queue_ms": (t2 - t1) * 1e3,
                            "infer_ms": (t3 - t2) * 1e3, "server_ms": (time.perf_counter() - t0) * 1e3}}
+
+    def _prepare_instruction(self, text: str) -> str | None:
+        """Encode a new instruction outside the inference lock (paraphrase mode), or say why it is
+        refused: by default only the checkpoint's instructions are served (clients pick strings)."""
+        lang = self.lang
+        if lang is None or not hasattr(lang, "knows") or lang.knows(text):
+            return None
+        from policies.model import NULL_INSTRUCTION
+        if text == NULL_INSTRUCTION:
+            return None  # the model's learned "no instruction" condition
+        if self.paraphrases <= 0:
+            known = sorted(lang.pinned)
+            listed = ", ".join(repr(k) for k in known[:8]) + (f" and {len(known) - 8} more" if len(known) > 8 else "")
+            return (f"the served policy was not trained on the instruction {text[:80]!r}; it knows "
+                    f"{listed or 'no instructions'} (serve with --paraphrases N to encode others)")
+        lang.warm([text])
+        return None
 
     def _infer(self, obs: dict, prefix: np.ndarray | None, frozen: int, seed: int | None) -> np.ndarray:
         kwargs: dict[str, Any] = {}

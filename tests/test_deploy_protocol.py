@@ -225,3 +225,167 @@ def test_rtc_prefix_is_inpainted_by_the_served_policy(tiny_ckpt):
             guided.append(np.abs(rtc[3:6] - prefix[3:6]).mean())
         # the soft overlap pulls the rest of the overlap toward the old plan
         assert np.mean(guided) < 0.5 * np.mean(free)
+
+
+# ---- garbage chunks, instructions, idle clients ---------------------------------------------
+
+@pytest.mark.parametrize("case", ["state_1e30", "state_3e38", "prefix_1e30", "prefix_3e38", "prefix_far"])
+def test_absurd_states_and_prefixes_are_inference_failures_not_chunks(tiny_ckpt, case):
+    import policies
+    obs = _obs(2)
+    kw: dict = {}
+    if case.startswith("state"):
+        obs["state"] = np.full(STATE, 1e30 if case == "state_1e30" else 3e38, np.float32)
+    else:  # finite prefixes the policy must inpaint: NaN chunks, or chunks 1000x outside the trained range
+        kw = {"prefix": np.full((6, ACTION), {"prefix_1e30": 1e30, "prefix_3e38": 3e38, "prefix_far": 1e3}[case],
+                                np.float32), "frozen": 3}
+    with PolicyServer(policies.load(tiny_ckpt), port=0) as srv, PolicyClient(port=srv.port) as c:
+        with pytest.raises(ServerError, match=r"inference_failed.*(not finite|far outside)"):
+            c.infer(obs, seed=0, **kw)
+        lo, hi = np.asarray(c.metadata["action_low"]), np.asarray(c.metadata["action_high"])
+        assert lo.shape == hi.shape == (ACTION,) and np.all(hi - lo > 0)
+        good = c.infer(_obs(2), seed=0).actions  # the connection and the policy still serve
+        assert np.all(np.isfinite(good)) and np.all((good >= lo) & (good <= hi))
+    robot_bounds = (np.full(ACTION, -5.0), np.full(ACTION, 5.0))
+    with PolicyServer(JointTargetPolicy(STATE, ACTION, np.zeros(7)), port=0) as srv, \
+            PolicyClient(port=srv.port, action_bounds=robot_bounds) as c:
+        assert c.metadata["action_low"] is None  # no trained range: the robot's action space bounds chunks
+        if case.startswith("state"):
+            with pytest.raises(ProtocolError, match="far outside"):
+                c.infer(obs)  # the scripted policy plans to move to the absurd joint positions
+
+
+class LyingServer(PolicyServer):
+    """Sends ``garbage`` instead of the policy's chunk, unchecked: an old or broken server."""
+
+    garbage: np.ndarray | None = None
+
+    def _reply(self, raw, t0):
+        reply = super()._reply(raw, t0)
+        if reply["type"] == "chunk" and self.garbage is not None:
+            reply["actions"] = self.garbage
+        return reply
+
+
+def test_client_refuses_chunks_that_are_not_finite_or_outside_the_bounds(tiny_ckpt):
+    import policies
+    robot_bounds = (np.full(ACTION, -8.0), np.full(ACTION, 8.0))  # wider than the trained range (+-2.1)
+    with LyingServer(policies.load(tiny_ckpt), port=0) as srv, \
+            PolicyClient(port=srv.port, action_bounds=robot_bounds) as c:
+        hi = np.asarray(c.metadata["action_high"])
+        good = c.infer(_obs(), seed=0).actions
+        assert hi[7] > 9.0 and np.all(np.abs(good) < 8.0)
+        for garbage, match in [(np.full((8, ACTION), np.nan, np.float32), "not finite"),
+                               (np.full((8, ACTION), 1e30, np.float32), "far outside"),
+                               (np.tile(hi.astype(np.float32) * 1.01, (8, 1)), "far outside"),
+                               # inside what the server announced, outside the robot's action space
+                               (np.where(np.arange(ACTION) == 7, 9.0, good).astype(np.float32), "dim 7 reaches 9")]:
+            srv.garbage = garbage
+            with pytest.raises(ProtocolError, match=match):
+                c.infer(_obs(), seed=0)
+        srv.garbage = good
+        np.testing.assert_array_equal(c.infer(_obs(), seed=0).actions, good)
+        assert c.healthy
+    with pytest.raises(HandshakeError, match="action_bounds"):
+        with PolicyServer(policies.load(tiny_ckpt), port=0) as srv:
+            PolicyClient(port=srv.port, action_bounds=(np.zeros(3), np.ones(3)))
+
+
+@pytest.fixture()
+def fake_minilm(monkeypatch, tmp_path):
+    """MiniLM stand-in (no 11 s load) that records each call; the disk cache in a temp folder."""
+    import torch
+
+    from policies.language import LanguageEncoder
+    calls: list[list[str]] = []
+    monkeypatch.setenv("GROUNDFLOW_LANG_CACHE", str(tmp_path / "lang_cache"))
+
+    def encode(self, texts):
+        calls.append(list(texts))
+        return {t: torch.randn(1, 384, generator=torch.Generator().manual_seed(len(t))) for t in texts}
+
+    monkeypatch.setattr(LanguageEncoder, "_encode_model", encode)
+    return calls, tmp_path / "lang_cache"
+
+
+def test_server_serves_only_the_checkpoint_instructions_and_caps_their_length(tiny_ckpt, fake_minilm):
+    import policies
+    calls, disk = fake_minilm
+    policy = policies.load(tiny_ckpt)
+    known = set(policy.lang.cache)
+    with PolicyServer(policy, port=0) as srv, PolicyClient(port=srv.port) as c:
+        for i in range(300):
+            with pytest.raises(ServerError, match="unknown_instruction.*not trained on"):
+                c.infer({**_obs(), "instruction": f"please do task number {i}"})
+        with pytest.raises(ServerError, match="bad_request.*1000000 characters; the limit is 512"):
+            c.infer({**_obs(), "instruction": "x" * 1_000_000})
+        assert c.infer(_obs()).actions.shape == (8, ACTION)
+    assert calls == [] and set(policy.lang.cache) == known  # nothing encoded, nothing kept
+    assert not disk.exists() or not any(disk.iterdir())
+
+
+def test_paraphrases_are_encoded_outside_the_lock_kept_bounded_and_never_written(tiny_ckpt, fake_minilm):
+    import policies
+    from policies.language import LanguageEncoder
+    calls, disk = fake_minilm
+    policy = policies.load(tiny_ckpt)
+    known = set(policy.lang.cache)
+    srv = PolicyServer(policy, port=0, paraphrases=3)
+    locked: list[bool] = []
+    encode = LanguageEncoder._encode_model
+
+    def watched(self, texts):
+        locked.append(srv._lock.locked())
+        return encode(self, texts)
+
+    LanguageEncoder._encode_model = watched
+    try:
+        with srv, PolicyClient(port=srv.port) as c:
+            for i in range(20):
+                assert c.infer({**_obs(), "instruction": f"push the cube to goal {i}"}).actions.shape == (8, ACTION)
+                assert len(policy.lang.cache) <= len(known) + 3
+            assert c.infer(_obs()).actions.shape == (8, ACTION)  # the checkpoint's instructions stay pinned
+    finally:
+        LanguageEncoder._encode_model = encode
+    assert len(calls) == 20 and locked == [False] * 20  # one encode each, never under the inference lock
+    assert known <= set(policy.lang.cache) and not disk.exists()
+    # training keeps its behaviour: every instruction kept and shared through the disk cache
+    lang = LanguageEncoder()
+    lang.warm([f"task {i}" for i in range(5)])
+    assert len(lang.cache) == 5 and len(list(disk.iterdir())) == 5
+
+
+def test_idle_clients_are_closed_and_connections_are_capped():
+    import threading
+    import time
+
+    from deploy.errors import PolicyUnavailableError
+    base = threading.active_count()
+    policy = JointTargetPolicy(STATE, ACTION, np.zeros(7))
+    deadline = time.monotonic() + 30  # generous bounded waits: only the order of events matters
+    # the cap (no idle timeout here, so nothing but the test frees a slot)
+    with PolicyServer(policy, port=0, max_connections=2, idle_timeout_s=None) as srv:
+        a, b = PolicyClient(port=srv.port), PolicyClient(port=srv.port)
+        for _ in range(5):  # a third client is refused at once, every time
+            with pytest.raises(PolicyUnavailableError, match="busy.*maximum of 2 connections"):
+                PolicyClient(port=srv.port)
+        assert srv.stats["busy"] == 5 and srv.open_connections == 2 and a.healthy and b.healthy
+        a.close()
+        while srv.open_connections > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with PolicyClient(port=srv.port) as c:  # the freed slot is served
+            assert c.infer(_obs()).actions.shape == (16, ACTION)
+        b.close()
+    # the idle timeout
+    with PolicyServer(policy, port=0, idle_timeout_s=0.3) as srv:
+        idle = [PolicyClient(port=srv.port) for _ in range(3)]
+        while (any(c.healthy for c in idle) or srv.open_connections) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.stats["idle_closed"] == 3 and srv.open_connections == 0
+        with pytest.raises(PolicyUnavailableError, match="idle for more than 0.3 s"):
+            idle[0].infer(_obs())
+        for c in idle:
+            c.close()
+    while threading.active_count() > base and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert threading.active_count() <= base, "connection threads outlived their connections"
