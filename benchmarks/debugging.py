@@ -26,7 +26,9 @@ below one fault's effect, so every injected fault is necessary.
 
 Metrics per run: precision (found steps that are injected causal faults), recall (injected
 faults found), hybrid rollouts and wall time of the search vs exhaustive single-step ablation
-(T + 2 rollouts; run where affordable, else its rollout count is given and its time is null).
+(T + 2 rollouts; run where affordable, else its rollout count is given and its time is null),
+and the information bound log2 C(T, k): the fewest yes/no rollouts any search needs to single
+out k causal steps among T.
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ def run_one(sys_: System, fault: str, T: int, k: int, exhaustive: bool, seed: in
     harmless = sys_.harmless(rng, T, set(gt))
     h_steps = sorted(f.step for f in harmless)
     ep = record_episode(sys_.make_real(T, causal + harmless, seed), sys_.policy, seed=seed, steps=T)
-    cfg = replace(sys_.config, max_rollouts=T + 2)  # never spend more than exhaustive ablation would
+    cfg = replace(sys_.config, max_rollouts=T + 2)  # what exhaustive ablation costs (+ rollout_slack at most)
     t0 = time.perf_counter()
     prep = prepare(sys_.model, sys_.policy, ep, cfg)
     residual_s = time.perf_counter() - t0
@@ -239,6 +241,7 @@ def run_one(sys_: System, fault: str, T: int, k: int, exhaustive: bool, seed: in
         "rollouts": res.rollouts, "exhaustive_rollouts": T + 2,
         "seconds": round(res.seconds, 3), "exhaustive_seconds": None,
         "budget_2klog2T": round(2 * k * math.log2(T), 1), "within_budget": res.rollouts <= 2 * k * math.log2(T),
+        "log2_binom_T_k": round(math.log2(math.comb(T, k)), 1), "rollout_budget": res.rollout_budget,
         "search_rollouts": res.search_rollouts, "steps_simulated": res.steps_simulated,
         "residual_seconds": round(residual_s, 3), "fault_steps": gt, "harmless_steps": h_steps, "found": found,
         "harmless_blamed": len(set(found) & set(h_steps)), "gap": round(res.gap, 4), "tol": res.tol,
@@ -281,8 +284,11 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
          "injected faults; *recall (effective)* counts only injected faults whose single removal changes the "
          "outcome beyond the tolerance. Rollouts = all hybrid rollouts of the search (baseline, search, "
          "marginal effects, channel typing). Exhaustive = single-step ablation, T + 2 rollouts (its time `-` "
-         "where it was not run). Budget = 2 k log2 T. *Fallback* = searches that hit the cap of T + 2 rollouts "
-         "and finished with single-step ablation (their rollouts include both). Magnitude baseline = the k steps with the largest normalized residual.", ""]
+         "where it was not run). Budget = 2 k log2 T. log2 C(T,k) = the information bound, the fewest yes/no "
+         "rollouts any search needs to single out k causal steps among T. *Fallback* = searches that switched "
+         "to single-step ablation over the steps still in question rather than exceed T + 2 rollouts by more "
+         "than `rollout_slack` (their rollouts include both). Magnitude baseline = the k steps with the largest "
+         "normalized residual.", ""]
     L += ["## Summary", "", "| env | runs | precision | recall | recall (effective) | harmless blamed | within budget | "
           "fallback | rollout ratio (exhaustive / search) | magnitude-baseline precision |",
           "|---|---|---|---|---|---|---|---|---|---|"]
@@ -294,16 +300,16 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         L += ["", "Rollout ratio (exhaustive / search) at T = 500, by k: " + ", ".join(
             f"k={k}: {np.mean([r['rollout_ratio'] for r in t500 if r['k'] == k]):.1f}x"
             for k in sorted({r['k'] for r in t500}))]
-    L += ["", "## Runs", "", "| env | fault | T | k | precision | recall | recall (eff.) | rollouts | budget | "
-          "exhaustive rollouts | ratio | seconds | exhaustive seconds | exhaustive P/R | harmless blamed |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L += ["", "## Runs", "", "| env | fault | T | k | precision | recall | recall (eff.) | rollouts | log2 C(T,k) | "
+          "budget | exhaustive rollouts | ratio | seconds | exhaustive seconds | exhaustive P/R | harmless blamed |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         epr = (f"{r['exhaustive_precision']:.2f}/{r['exhaustive_recall']:.2f}" if "exhaustive_precision" in r else "-")
         es = "-" if r["exhaustive_seconds"] is None else f"{r['exhaustive_seconds']:.2f}"
         L.append(f"| {r['env']} | {r['fault']} | {r['T']} | {r['k']} | {r['precision']:.2f} | {r['recall']:.2f} | "
                  f"{r['recall_effective']:.2f} | {r['rollouts']}{' (fallback)' if r['search_stopped'] else ''} | "
-                 f"{r['budget_2klog2T']} | {r['exhaustive_rollouts']} | {r['rollout_ratio']} | {r['seconds']:.2f} | "
-                 f"{es} | {epr} | {r['harmless_blamed']} |")
+                 f"{r['log2_binom_T_k']} | {r['budget_2klog2T']} | {r['exhaustive_rollouts']} | {r['rollout_ratio']} | "
+                 f"{r['seconds']:.2f} | {es} | {epr} | {r['harmless_blamed']} |")
     L += ["", "![rollouts vs T](debugging_rollouts.png)", ""]
     return "\n".join(L)
 

@@ -23,9 +23,13 @@ searched again in what remains (``alternatives``). Each causal step is ranked by
 effect ``f(S*) - f(S* \\ {t})`` and typed by which channel (state, reward, observation) of its
 residual carries the effect.
 
-``exhaustive_ablation`` is the reference: one rollout per step, ``f(all) - f(all \\ {t})``. With
-``max_rollouts`` set (e.g. ``T + 2``), a search that reaches it (many causes, k ~ T / log T, or strongly
-interacting errors) finishes with that single-step ablation instead.
+``exhaustive_ablation`` is the reference: one rollout per step, ``f(all) - f(all \\ {t})``, ``T + 2`` in all.
+The search never costs more than that plus ``rollout_slack``: it tracks the smallest patch ``X`` known
+to reproduce the outcome and queries a new patch only while single-step ablation of ``X`` (``|X|``
+rollouts, plus one) would still fit in the budget afterwards; otherwise (many causes, k ~ T / log T,
+or strongly interacting errors) it switches to that ablation, relative to ``X``, reusing cached
+rollouts. Near the budget it drops the earlier half first (the cheapest way to shrink ``X`` when the
+later half holds a cause). Channel typing only spends what is left of the budget.
 """
 
 from __future__ import annotations
@@ -66,7 +70,11 @@ class DebugConfig:
     dense_fraction: float = 0.25
     """|S*| above this fraction of the candidate steps: report the gap as dense"""
     max_rollouts: int | None = None
-    """stop the search after this many hybrid rollouts (report it; nothing is blamed)"""
+    """rollout budget (None: what exhaustive ablation costs, candidates + 2); the search switches to
+    single-step ablation rather than exceed it by more than rollout_slack"""
+    rollout_slack: int = 8
+    """rollouts the divide and conquer may risk beyond the budget before it has dropped any segment
+    (worst case max_rollouts + rollout_slack; too small and sparse causes late in T fall back)"""
     checkpoint_stride: int | None = None
     check_actions: bool = True
     """check that the policy reproduces the recorded actions (deterministic, same checkpoint)"""
@@ -79,6 +87,9 @@ class DebugConfig:
                 raise DebuggingError(f"{name} must be a finite number >= 0, got {v}")
         if self.rel_tol >= 1:
             raise DebuggingError(f"rel_tol must be < 1 (a fraction of the gap), got {self.rel_tol}")
+        if self.rollout_slack < 0 or (self.max_rollouts is not None and self.max_rollouts < 0):
+            raise DebuggingError(f"max_rollouts and rollout_slack must be >= 0, got {self.max_rollouts}, "
+                                 f"{self.rollout_slack}")
         return self
 
 
@@ -88,7 +99,8 @@ class StepAttribution:
     effect: float
     """f(S*) - f(S* without this step): how much of the outcome this step's error carries"""
     error_type: str
-    """state | reward | observation | combined (the channel whose removal changes the outcome most)"""
+    """state | reward | observation | combined (the channel whose removal changes the outcome most) |
+    untyped (no rollouts left in the budget to remove channels)"""
     channel_effects: dict[str, float]
     size: dict[str, float]
     """L2 norm of the residual per channel"""
@@ -116,7 +128,9 @@ class Attribution:
     verified: bool = True
     dense: bool = False
     fell_back: bool = False
-    """the search hit max_rollouts and finished with single-step ablation"""
+    """divide and conquer would have exceeded the rollout budget: it finished with single-step ablation"""
+    rollout_budget: int = 0
+    """max_rollouts + rollout_slack: the most hybrid rollouts this attribution could spend"""
     reproduction_error: float | None = None
     action_error: float | None = None
     candidates: int = 0
@@ -183,19 +197,53 @@ def prepare(model_env: GroundflowEnv, policy: Any, episode: Episode, config: Deb
 
 # ----- search ----------------------------------------------------------------------------------
 
-def _quickxplain(reproduces: Callable[[frozenset], bool], candidates: list[int]) -> list[int]:
+class _OverBudget(Exception):
+    """A search query could leave too few rollouts to finish by single-step ablation."""
+
+
+@dataclass
+class _Budget:
+    """Rollout accounting that keeps search + fallback within ``cap`` (see the module docstring)."""
+    cap: int
+    eng: HybridRollouts
+    X: frozenset = frozenset()
+    """smallest patch (steps) known to reproduce: the fallback ablates it, one rollout per step"""
+
+    def slack(self) -> int:
+        """Rollouts to spare after ablating X and checking the result."""
+        return self.cap - self.eng.rollouts - len(self.X) - 1
+
+    def affords(self, patches: list[frozenset]) -> bool:
+        """Whether these patches (cached ones are free) and one more rollout fit in the cap."""
+        return self.eng.rollouts + len({p for p in patches if p not in self.eng.memo}) + 1 <= self.cap
+
+
+def _quickxplain(reproduces: Callable[[frozenset], bool], candidates: list[int],
+                 budget: _Budget | None = None) -> list[int]:
     """1-minimal subset D of candidates with reproduces(D); assumes reproduces(candidates) and
-    not reproduces({})."""
+    not reproduces({}). With ``budget``, keeps ``budget.X`` at the smallest reproducing patch."""
+
+    def track(X: frozenset) -> None:
+        if budget is not None:
+            budget.X = X
 
     def qx(B: frozenset, check: bool, C: list[int]) -> list[int]:
+        # precondition: reproduces(B | C)
+        track(B | frozenset(C))
         if check and reproduces(B):
+            track(B)
             return []
         if len(C) == 1:
             return C
         mid = len(C) // 2
         C1, C2 = C[:mid], C[mid:]
-        D2 = qx(B | frozenset(C1), True, C2)
-        D1 = qx(B | frozenset(D2), bool(D2), C1)
+        if reproduces(B | frozenset(C1)):  # the later half changes nothing: dropped whole
+            return qx(B, False, C1)
+        if budget is not None and budget.slack() <= 1 and reproduces(B | frozenset(C2)):
+            # nearly out of budget: the earlier half, dropped whole, frees the most rollouts
+            return qx(B, False, C2)
+        D2 = qx(B | frozenset(C1), False, C2)
+        D1 = qx(B | frozenset(D2), True, C1)
         return D1 + D2
 
     return sorted(qx(frozenset(), False, list(candidates)))
@@ -235,45 +283,63 @@ def attribute(prep: Prepared, config: DebugConfig) -> Attribution:
         out.traces = {"model": eng.result(frozenset()).trace.tolist(), "real (f(all))": eng.result(all_items).trace.tolist()}
         return out
 
+    cap = (len(U) + 2 if config.max_rollouts is None else config.max_rollouts) + config.rollout_slack
+    out.rollout_budget = cap
+    budget = _Budget(cap, eng, frozenset(U))
+    U_set = frozenset(U)
+
+    def patch(steps: Any) -> frozenset:
+        """Items of a set of steps; any superset of the candidates is the full patch (cached)."""
+        s = frozenset(steps)
+        return all_items if s >= U_set else eng.items(s)
+
     def reproduces(steps: frozenset) -> bool:
-        return abs(eng.f(eng.items(steps)) - FU) <= tol
+        items = patch(steps)
+        if items not in eng.memo and budget.slack() < 1:
+            raise _OverBudget
+        return abs(eng.f(items) - FU) <= tol
 
     def minimize(S: list[int]) -> list[int]:
         """1-minimality: drop steps whose removal still reproduces (QuickXplain guarantees it only
-        for monotone outcomes; patched/unpatched boundaries can make it non-monotone)."""
+        for monotone outcomes; patched/unpatched boundaries can make it non-monotone). Its rollouts
+        are the marginal effects; a pass the budget cannot afford keeps the last measured set."""
+        prev: list[int] | None = None
         while len(S) > 1:
-            vals = eng.f_many([eng.items(set(S) - {t}) for t in S])
+            patches = [patch(set(S) - {t}) for t in S]
+            if not budget.affords(patches):
+                if prev is None:
+                    raise _OverBudget
+                notes.append(f"{len(S) + 1} causal steps are not 1-minimal (rollout budget)")
+                return prev
+            vals = eng.f_many(patches)
             spare = [(abs(v - FU), t) for t, v in zip(S, vals) if abs(v - FU) <= tol]
             if not spare:
                 break
-            S = [t for t in S if t != min(spare)[1]]
+            prev, S = S, [t for t in S if t != min(spare)[1]]
+        eng.f(patch(S))  # f(S*), needed for the marginal effects: the rollout each pass leaves room for
         return S
 
-    eng.max_rollouts = config.max_rollouts
+    eng.max_rollouts = None  # the budget below is tighter; the engine's hard cap would lose the fallback
+    effects: dict[int, float] = {}  # fallback: single-step ablation effects relative to X
+    context: list[frozenset] = []  # the patch each causal set's effects are measured against
+    eng.phase = "search"
     try:
-        eng.phase = "search"
-        sets: list[list[int]] = []
-        remaining = list(U)
-        S = minimize(_quickxplain(reproduces, remaining))
-        sets.append(S)
-        remaining = [t for t in remaining if t not in set(S)]
-        eng.phase = "alternatives"
-        while (config.find_alternatives and remaining and len(sets) <= config.max_alternatives
-               and reproduces(frozenset(remaining))):
-            S = minimize(_quickxplain(reproduces, remaining))
-            sets.append(S)
-            remaining = [t for t in remaining if t not in set(S)]
-    except RolloutBudgetExceeded as e:
+        sets = [minimize(_quickxplain(reproduces, list(U), budget))]
+    except _OverBudget:
         # more causes than a divide-and-conquer search pays off for (k ~ T / log T): finish with the
-        # reference, single-step ablation from the full patch (cached rollouts are reused)
-        eng.max_rollouts = None
+        # reference, single-step ablation, over the steps still in question (X reproduces; the rest
+        # is known not to matter), reusing cached rollouts
+        X, spent = sorted(budget.X), eng.rollouts
         out.fell_back = True
         eng.phase = "ablation"
-        all_steps = eng.items(U)
-        vals = eng.f_many([all_steps - eng.items([t]) for t in U])
-        sets = [[t for t, v in zip(U, vals) if abs(FU - v) > tol]]
-        notes.append(f"the search {e} (max_rollouts) and fell back to single-step ablation over all "
-                     f"{len(U)} steps: the errors are too many or interact too much for divide and conquer")
+        fX = eng.f(patch(X))
+        vals = eng.f_many([patch(set(X) - {t}) for t in X])
+        effects = {t: fX - v for t, v in zip(X, vals)}
+        sets = [[t for t, v in zip(X, vals) if abs(FU - v) > tol]]
+        context = [patch(X)]
+        notes.append(f"divide and conquer could not finish within the rollout budget ({cap}) and switched to "
+                     f"single-step ablation over the {len(X)} of {len(U)} steps still in question after "
+                     f"{spent} rollouts: the errors are too many or interact too much")
         if not sets[0]:
             out.dense, out.verified = True, False
             out.message = (f"gap {gap:+.4g} ({config.outcome.kind}: model {F0:.4g}, real {FU:.4g}); no single step "
@@ -282,17 +348,26 @@ def attribute(prep: Prepared, config: DebugConfig) -> Attribution:
             out.traces = {"model": eng.result(frozenset()).trace.tolist(),
                           "real (f(all))": eng.result(all_items).trace.tolist()}
             return out
-    eng.max_rollouts = None
+    remaining = [t for t in U if t not in set(sets[0])]
+    eng.phase = "alternatives"
+    budget.X = frozenset()  # abandoning an alternative costs nothing: reserve only its check
+    try:
+        while (config.find_alternatives and not out.fell_back and remaining and len(sets) <= config.max_alternatives
+               and reproduces(frozenset(remaining))):
+            S = minimize(_quickxplain(reproduces, remaining))
+            sets.append(S)
+            remaining = [t for t in remaining if t not in set(S)]
+    except _OverBudget:
+        notes.append("the search for alternative causal sets stopped at the rollout budget")
+    context += [patch(S) for S in sets[len(context):]]
     eng.phase = "marginal"
     primary = frozenset(sets[0])
-    f_star = eng.f(eng.items(primary))
+    f_star = eng.f(patch(primary))
     out.causal_outcome, out.verified = f_star, abs(f_star - FU) <= tol
-    search_rollouts = eng.rollouts
     causal: list[StepAttribution] = []
     for i, S in enumerate(sets):
-        full = eng.items(S)
-        fS = eng.f(full)
-        without = eng.f_many([eng.items(set(S) - {t}) for t in S])
+        fS = eng.f(context[i])
+        without = [fS - effects[t] for t in S] if out.fell_back else eng.f_many([patch(set(S) - {t}) for t in S])
         for t, fw in zip(S, without):
             causal.append(StepAttribution(
                 step=int(t), effect=float(fS - fw), error_type="", channel_effects={},
@@ -300,21 +375,30 @@ def attribute(prep: Prepared, config: DebugConfig) -> Attribution:
                 normalized_size={c: float(nmags[t, k]) for k, c in enumerate(CHANNELS)}, cause_set=i))
     search_rollouts = eng.rollouts
     eng.phase = "explain"
+    untyped = 0
     for a in causal:
-        full = eng.items(sets[a.cause_set])
+        full = context[a.cause_set]
         fS = eng.f(full)
         active = [k for k in range(NC) if mags[a.step, k] > 0]
         if config.explain_channels and len(active) > 1:
             # remove one channel at a time, largest (normalized) error first; stop once one
             # channel carries most of the step's effect (usually after one rollout)
             for k in sorted(active, key=lambda k: -nmags[a.step, k]):
+                if full - {a.step * NC + k} not in eng.memo and eng.rollouts + 1 > cap:
+                    break
                 a.channel_effects[CHANNELS[k]] = float(fS - eng.f(full - {a.step * NC + k}))
                 if abs(a.channel_effects[CHANNELS[k]]) > 0.5 * abs(a.effect):
                     break
+            if not a.channel_effects:  # out of budget (residual sizes are no guide: big errors can be harmless)
+                untyped += 1
+                a.error_type = "untyped"
+                continue
         else:
             a.channel_effects = {CHANNELS[k]: a.effect for k in active}
         best = max(a.channel_effects.items(), key=lambda kv: abs(kv[1]), default=("state", 0.0))
         a.error_type = best[0] if abs(best[1]) > 0.5 * abs(a.effect) or len(active) == 1 else "combined"
+    if untyped:
+        notes.append(f"{untyped} causal step(s) left untyped: the rollout budget was spent")
     causal.sort(key=lambda a: (a.cause_set, -abs(a.effect)))
     out.causal, out.causal_sets = causal, sets
     out.dense = len(sets[0]) > config.dense_fraction * max(len(U), 1)
@@ -327,10 +411,13 @@ def attribute(prep: Prepared, config: DebugConfig) -> Attribution:
                      "non-monotone errors); treat the ranking with care")
     if out.dense:
         parts.append("the gap is dense: many small errors add up, no sparse set of steps explains it")
+    if eng.rollouts > len(U) + 2:
+        notes.append(f"{eng.rollouts} hybrid rollouts, {eng.rollouts - len(U) - 2} more than single-step ablation "
+                     f"would have cost (budget {cap})")
     out.message = "; ".join(parts + notes)
     _finish(out, eng, t_start, search_rollouts)
     out.traces = {"model": eng.result(frozenset()).trace.tolist(), "real (f(all))": eng.result(all_items).trace.tolist(),
-                  "causal (f(S*))": eng.result(eng.items(primary)).trace.tolist()}
+                  "causal (f(S*))": eng.result(patch(primary)).trace.tolist()}
     return out
 
 

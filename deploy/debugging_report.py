@@ -260,7 +260,9 @@ class DebugArgs:
     explain_channels: bool = True
     find_alternatives: bool = True
     max_rollouts: int | None = None
-    """stop the search after this many hybrid rollouts (default: no limit)"""
+    """rollout budget (default: what exhaustive ablation costs, T + 2): the search switches to single-step
+    ablation rather than exceed it by more than rollout_slack"""
+    rollout_slack: int = 8
     exhaustive: bool = False
     """also run exhaustive single-step ablation (T rollouts) for comparison"""
     env_options: dict[str, str] = field(default_factory=dict)
@@ -336,7 +338,7 @@ def run_debug(args: DebugArgs) -> dict[str, Any]:
                       rel_tol=args.rel_tol, abs_tol=args.abs_tol, min_gap=args.min_gap,
                       min_gap_rel=args.min_gap_rel,
                       explain_channels=args.explain_channels, find_alternatives=args.find_alternatives,
-                      max_rollouts=args.max_rollouts, seed=args.seed)
+                      max_rollouts=args.max_rollouts, rollout_slack=args.rollout_slack, seed=args.seed)
     bar = tqdm(desc="hybrid rollouts", unit="rollout", disable=not args.progress, mininterval=0.5, delay=1.0)
 
     def tick(eng: Any) -> None:

@@ -84,6 +84,23 @@ def test_sparse_fault_needs_few_rollouts(policy, model):
     assert res.rollouts < T / 5
 
 
+@pytest.mark.parametrize("steps", [[0, 8, 11, 24, 32, 38, 44, 47],  # k = 8 spread out (the benchmark's)
+                                   list(range(0, 50, 2))],              # adversarial: every other step
+                         ids=["spread-k8", "every-other-k25"])
+def test_search_never_costs_more_than_ablation_plus_a_constant(policy, model, steps):
+    # divide and conquer pays off for few causes only; with many it must switch to single-step
+    # ablation in time (it cost 115 rollouts with max_rollouts = T + 2, 141 with no cap)
+    T, c = 50, 8
+    ep = door_episode(policy, [Fault(t, "reward", delta=-100.0) for t in steps], T=T)
+    for cap in (None, T + 2):
+        res = debug(model, policy, ep, DebugConfig(outcome=Outcome("return"), rel_tol=0.0, abs_tol=50.0,
+                                                   max_rollouts=cap))
+        assert res.rollouts <= T + 2 + c
+        assert res.steps == steps and res.verified  # precision and recall 1, as before
+        assert {a.error_type for a in res.causal} <= {"reward", "untyped"}
+        assert all(a.effect == pytest.approx(-100.0, abs=10.0) for a in res.causal)
+
+
 def test_interacting_causes_are_found_together(policy, model):
     # each 0.1 rad push keeps the door above the 1.35 rad bonus threshold; only both together
     # close it enough: single-step "patch one error" analysis would blame neither
