@@ -5,6 +5,9 @@ without real-time chunking, safety under fuzzing, watchdog reaction, evaluation 
     .venv/bin/python benchmarks/deploy.py --quick    # smoke run
 
 Every policy server runs in its own process on loopback (127.0.0.1), as on a real deployment.
+The speed targets live here, not in the tests (which check the loop's schedule tick by tick, what a
+loaded CI machine cannot break): median period within 2 ms of nominal, first hold within 80 ms of
+killing the server.
 Writes benchmarks/results/deploy.json and deploy.md.
 """
 
@@ -153,7 +156,7 @@ def run_jitter(robot, port: int, rate: float, seconds: float) -> dict:
     c.close()
     t = res.timing
     return {"p50": t["command_jitter_p50_ms"], "p99": t["command_jitter_p99_ms"], "max": t["command_jitter_max_ms"],
-            "tick_p50": t["jitter_p50_ms"], "tick_p99": t["jitter_p99_ms"],
+            "tick_p50": t["jitter_p50_ms"], "tick_p99": t["jitter_p99_ms"], "period_p50_ms": t["period_p50_ms"],
             "overruns": t["overruns"], "steps": res.steps, "holds": len(res.holds),
             "rtt_p50_ms": t["rtt_p50_ms"], "work_p99_ms": t["work_p99_ms"]}
 
@@ -394,7 +397,8 @@ def main() -> None:
     for k, v in j.items():
         if "p50" in v:
             rows.append([f"command jitter {k} (ms)", f"p50 {v['p50']:.3f} / p99 {v['p99']:.3f}",
-                         f"tick-start jitter p99 {v['tick_p99']:.3f}; overruns {v['overruns']}/{v['steps']}, "
+                         f"tick-start jitter p99 {v['tick_p99']:.3f}; median period {v['period_p50_ms']:.2f} ms "
+                         f"(target: within 2 ms of nominal); overruns {v['overruns']}/{v['steps']}, "
                          f"holds {v['holds']}"])
     cd = c["details"]
     rows.append(["chunk-boundary jump: L2 norm of a_k - a_(k-1) at switches (ee-delta units)", f"RTC {c['rtc']:.3f} / no RTC {c['no_rtc']:.3f}",
@@ -404,7 +408,8 @@ def main() -> None:
                  ", ".join(f"{k}: {v['actions']} actions" for k, v in f["details"].items())])
     w = res["watchdog"]
     rows.append(["first hold after the server is killed (ms)", f"max {w['max_ms']:.1f}",
-                 f"period 50 ms; runs {', '.join(f'{x:.1f}' for x in w['first_hold_after_kill_ms'])}"])
+                 f"period 50 ms, target <= 80 (one period + 30); runs "
+                 f"{', '.join(f'{x:.1f}' for x in w['first_hold_after_kill_ms'])}"])
     ev = res["eval_via_server"]
     if "success_rate" in ev:
         rows.append(["Adroit door DAPG expert evaluated through the server", f"{ev['success_rate']:.2f}",

@@ -25,3 +25,80 @@ def recording(robot_cls: type) -> type:
 
     Recording.__name__ = f"Recording{robot_cls.__name__}"
     return Recording
+
+
+def wait_for(condition, timeout_s: float = 30.0, poll_s: float = 0.02) -> bool:
+    """Poll ``condition()`` until it holds (True) or ``timeout_s`` passes (False). For tests that wait
+    on another process or thread (a simulator settling, a stream update): a generous bound instead of
+    a fixed sleep that a loaded machine can outlast."""
+    import time
+    end = time.monotonic() + timeout_s
+    while True:
+        if condition():
+            return True
+        if time.monotonic() > end:
+            return False
+        time.sleep(poll_s)
+
+
+class TickLog:
+    """A ControlLoop's deadline accounting seen from outside, so that timing tests can assert what
+    the loop controls (its schedule) instead of what a loaded machine does to it (wake-up latency).
+
+    Records the start of every tick (the loop's ``robot.get_observation``; entry 0 is the
+    observation taken before the clock starts) and, for every tick that waited, the deadline it
+    waited for (``deploy.control._sleep_until``) and when it woke."""
+
+    def __init__(self, monkeypatch, robot):
+        import time
+
+        import deploy.control as control
+        self.starts: list[float] = []
+        self.sleeps: list[tuple[int, float, float]] = []  # (tick, deadline, woke)
+        sleep_until, observe = control._sleep_until, robot.get_observation
+
+        def logged_sleep(t: float) -> None:
+            sleep_until(t)
+            self.sleeps.append((len(self.starts), t, time.perf_counter()))
+
+        def logged_observe(*a, **kw):
+            self.starts.append(time.perf_counter())
+            return observe(*a, **kw)
+
+        monkeypatch.setattr(control, "_sleep_until", logged_sleep)
+        monkeypatch.setattr(robot, "get_observation", logged_observe)
+
+    def check(self, period: float, steps: int, overruns: int, median_tol_s: float) -> dict:
+        """Assert the loop's deadline accounting over the first episode (``steps`` ticks) recorded:
+
+        - no tick starts before its deadline;
+        - deadlines follow one fixed schedule (``t_next += period``: no drift from sleep overshoot or
+          work), re-anchored only where the loop fell more than a period behind;
+        - every tick whose work overran the period made the next tick start late (no sleep);
+        - the median tick-to-tick period is within ``median_tol_s`` of the nominal one.
+        Returns counts for messages."""
+        import numpy as np
+        starts = np.asarray(self.starts[1:steps])  # ticks 1 .. steps-1 (tick 0 starts the clock)
+        assert len(starts) == steps - 1, (len(self.starts), steps)
+        sleeps = [x for x in self.sleeps if x[0] < steps]  # the first episode's (later calls may follow)
+        assert sleeps, "the loop never waited for a deadline"
+        for k, deadline, woke in sleeps:
+            assert woke >= deadline, f"tick {k} woke {(deadline - woke) * 1e3:.3f} ms before its deadline"
+        reanchors = 0
+        for (k1, d1, _), (k2, d2, _) in zip(sleeps, sleeps[1:]):
+            # the loop re-anchors (t_next = now) at the end of a tick that finished more than a period
+            # past the next deadline; the tick after it then starts that late
+            behind = any(self.starts[m] > d1 + (m - k1 + 1) * period for m in range(k1 + 1, k2 + 1))
+            if behind:
+                reanchors += 1
+                assert d2 >= d1 + (k2 - k1) * period - 1e-6, f"tick {k2}: re-anchored to an earlier deadline"
+            else:
+                assert abs((d2 - d1) - (k2 - k1) * period) < 1e-6, (
+                    f"ticks {k1}->{k2}: deadlines {(d2 - d1) * 1e3:.3f} ms apart, "
+                    f"expected {(k2 - k1) * period * 1e3:.1f}")
+        slept = {k for k, _, _ in sleeps}
+        late = [k for k in range(1, steps) if k not in slept]
+        assert len(late) >= overruns - 1, f"{overruns} overruns but only {len(late)} ticks started late"
+        median = float(np.median(np.diff(starts)))
+        assert abs(median - period) < median_tol_s, f"median period {median * 1e3:.2f} ms"
+        return {"late_ticks": len(late), "reanchors": reanchors, "median_period_ms": median * 1e3}

@@ -4,6 +4,7 @@ recording round trip, evaluation in simulation, chunk-boundary smoothing, the CL
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import TickLog, wait_for
 
 from deploy.client import LocalPolicy, PolicyClient
 from deploy.control import ControlLoop, LoopConfig
@@ -51,30 +53,51 @@ def start_server_process(*extra: str) -> tuple[subprocess.Popen, int]:
     raise RuntimeError("policy server did not start")
 
 
-def test_realtime_loop_keeps_rate_and_refills_chunks_before_they_run_out(robot):
+def test_realtime_loop_keeps_rate_and_refills_chunks_before_they_run_out(robot, monkeypatch):
     robot.reset(0)
     q0 = robot.hold_action()[:7]
     target = q0 + np.array([0.3, -0.2, 0.2, 0.2, 0.0, 0.2, 0.3])
     # inference takes 60 ms (> one 50 ms tick): the next chunk must be requested early
     policy = JointTargetPolicy(35, 8, target, step=0.04, gripper=1.0, delay_s=0.06)
+    ticks = TickLog(monkeypatch, robot)
     with PolicyServer(policy, port=0) as srv, PolicyClient(port=srv.port, expect={"action_dim": 8}) as client:
         loop = ControlLoop(robot, client, LoopConfig(rate_hz=20, max_steps=50))
         res = loop.run_episode()
     assert res.reason == "max_steps" and res.steps == 50
-    assert res.holds == [], f"the plan ran out at steps {res.holds}"
     t = res.timing
-    assert abs(t["period_p50_ms"] - 50.0) < 2.0 and t["n_requests"] >= 6
-    assert t["rtt_p50_ms"] >= 60.0
-    time.sleep(0.15)
-    np.testing.assert_allclose(robot.get_observation()["state"][:7], target, atol=0.02)
+    # the rate is the loop's schedule (deadline accounting), checked tick by tick; how close the
+    # machine keeps to it (jitter) is a speed figure: benchmarks/deploy.py
+    ticks.check(0.05, res.steps, t["overruns"], median_tol_s=0.005)
+    assert t["n_requests"] >= 6 and t["rtt_p50_ms"] >= 60.0
+    # the next chunk is asked for ceil(rtt / period) + margin ticks before the plan runs out: it can
+    # only run out when a reply took longer than that (a server starved by other processes)
+    budget_ms = (math.ceil(t["rtt_p50_ms"] / 50.0) + 1) * 50.0
+    assert res.holds == [] or t["rtt_p99_ms"] > budget_ms - 50.0, (
+        f"the plan ran out at steps {res.holds} although every reply took at most {t['rtt_p99_ms']:.0f} ms")
+    at_target = lambda: np.allclose(robot.get_observation()["state"][:7], target, atol=0.02)  # noqa: E731
+    assert wait_for(at_target, 10.0), robot.get_observation()["state"][:7] - target
 
 
 def test_watchdog_holds_within_a_period_when_the_server_is_killed(robot):
     robot.reset(0)
     proc, port = start_server_process()
+    seen: list[bool] = []  # client.healthy as the loop read it: before the episode, then once per tick
+
+    class Watched:
+        def __init__(self, client):
+            self._client = client
+
+        def __getattr__(self, name):
+            return getattr(self._client, name)
+
+        @property
+        def healthy(self) -> bool:
+            seen.append(self._client.healthy)
+            return seen[-1]
+
     try:
         client = PolicyClient(port=port, timeout=2.0, expect={"action_dim": 8, "state_dim": 35})
-        loop = ControlLoop(robot, client, LoopConfig(rate_hz=20, max_steps=200, max_hold_s=0.5))
+        loop = ControlLoop(robot, Watched(client), LoopConfig(rate_hz=20, max_steps=200, max_hold_s=0.5))
         killed: list[float] = []
 
         def kill() -> None:
@@ -96,11 +119,16 @@ def test_watchdog_holds_within_a_period_when_the_server_is_killed(robot):
         proc.kill()
         proc.wait()
     assert killed and ticks, "the server was not killed or no hold was sent"
-    first_hold = ticks[0] - killed[0]
-    assert 0 <= first_hold <= 0.05 + 0.03, f"first hold {first_hold * 1e3:.1f} ms after the kill"
     assert res.reason == "policy_lost" and res.interventions["watchdog"] >= 1
-    # from the first hold on every command is a hold, and the arm comes to rest
+    # measured in ticks: the watchdog holds in the very tick where the loss shows (the client's
+    # connection reads unhealthy), or earlier if a request failed first; never before the kill
     k = res.holds[0]
+    lost = [i - 1 for i, healthy in enumerate(seen) if i > 0 and not healthy]  # seen[i]: tick i - 1
+    assert not lost or k <= lost[0], f"first hold at tick {k}, the loss showed at tick {lost[0]}"
+    first_hold = ticks[0] - killed[0]
+    # wall clock only as a generous bound (10x the 80 ms target that benchmarks/deploy.py measures)
+    assert 0 <= first_hold <= 0.8, f"first hold {first_hold * 1e3:.1f} ms after the kill"
+    # from the first hold on every command is a hold, and the arm comes to rest
     assert res.holds == list(range(k, res.steps))
     np.testing.assert_allclose(res.actions[-1], res.actions[-3], atol=1e-6)
 
@@ -258,8 +286,10 @@ def test_deploy_command_runs_episodes_against_a_served_policy(tmp_path, capsys):
 
 
 def test_nan_and_far_out_chunks_from_the_server_are_held_not_executed(robot):
+    from deploy.protocol import widen_bounds
+
     class Broken(JointTargetPolicy):
-        """Every other chunk is garbage: NaN, then 10 rad past the joint limits."""
+        """Two chunks in three are garbage: NaN, then 10 rad past the joint limits."""
 
         def predict_action_chunk(self, obs, **kw):
             chunk = super().predict_action_chunk(obs)
@@ -272,11 +302,20 @@ def test_nan_and_far_out_chunks_from_the_server_are_held_not_executed(robot):
     lockstep = SimRobot(robot.env)  # the module's env, stepped once per command
     lockstep.connect()
     q0 = lockstep.hold_action()[:7]
+    # the robot's action space, widened as the safety layer's far margin: what `groundflow deploy` passes
+    bounds = widen_bounds(lockstep.spec.action_low, lockstep.spec.action_high, 0.1)
     with PolicyServer(Broken(35, 8, q0 + 0.2, gripper=1.0, horizon=4, n_exec=4), port=0) as srv, \
-            PolicyClient(port=srv.port) as client:
-        res = ControlLoop(lockstep, client, LoopConfig(rate_hz=20, max_steps=24, realtime=False)).run_episode()
+            PolicyClient(port=srv.port, action_bounds=bounds) as client:
+        res = ControlLoop(lockstep, client, LoopConfig(rate_hz=20, max_steps=24, realtime=False,
+                                                       max_hold_s=3600)).run_episode()
     assert res.reason == "max_steps" and res.steps == 24
-    assert res.interventions["nonfinite"] == 8 and res.interventions["far_out_of_limits"] == 8
+    # neither garbage chunk became a plan: the server refused the NaN one, the client the far one,
+    # and the loop held for the tick and asked again
+    assert res.interventions["nonfinite"] == 0 and res.interventions["far_out_of_limits"] == 0
+    assert res.holds == [4, 5, 10, 11, 16, 17, 22, 23]
+    failed = [e["detail"] for e in res.events if e["detail"].startswith("policy request failed")]
+    assert sum("inference_failed" in d and "not finite" in d for d in failed) == 4
+    assert sum("far outside" in d and "inference_failed" not in d for d in failed) == 4
     assert np.all(np.isfinite(res.actions)) and np.all(res.actions[:, 0] <= lockstep.spec.action_high[0])
 
 
@@ -291,3 +330,103 @@ def test_temporal_ensembling_through_the_loop_requests_every_tick(robot):
     # overlapping plans averaged: still a monotone approach that ends on the target
     assert np.all(np.diff(res.actions[:, 0]) >= 0)
     assert res.actions[-1, 0] == pytest.approx(q0[0] + 0.2, abs=1e-4)
+
+
+def test_a_server_that_answers_only_errors_ends_the_episode_as_policy_failed(robot):
+    class FailsAfterOne(JointTargetPolicy):
+        def predict_action_chunk(self, obs, **kw):
+            chunk = super().predict_action_chunk(obs)
+            return chunk if self.calls == 1 else chunk * np.nan
+
+    lockstep = SimRobot(robot.env)
+    lockstep.connect()
+    q0 = lockstep.hold_action()[:7]
+    with PolicyServer(FailsAfterOne(35, 8, q0 + 0.2, gripper=1.0, horizon=4, n_exec=4), port=0) as srv, \
+            PolicyClient(port=srv.port) as client:
+        # max_hold_s=0: the first hold with a failing server ends it (no clock involved)
+        res = ControlLoop(lockstep, client, LoopConfig(rate_hz=20, max_steps=40, realtime=False,
+                                                       max_hold_s=0.0)).run_episode()
+    assert res.reason == "policy_failed" and res.holds == [4] and res.steps == 5
+    assert any("inference_failed" in e["detail"] for e in res.events)
+
+
+def test_an_interrupted_episode_is_recorded_with_its_real_reason(robot, tmp_path):
+    from deploy.recording import Recorder
+
+    class Raises(JointTargetPolicy):
+        error: type[BaseException] = KeyboardInterrupt
+
+        def predict_action_chunk(self, obs, **kw):
+            if self.calls == 2:
+                raise self.error("operator pressed Ctrl+C twice")
+            return super().predict_action_chunk(obs)
+
+    lockstep = SimRobot(robot.env)
+    lockstep.connect()
+    policy = Raises(35, 8, lockstep.hold_action()[:7] + 0.1, gripper=1.0, horizon=4, n_exec=4)
+    rec = Recorder(tmp_path / "rec.h5", lockstep.spec, env_id="maniskill/PushCube-v1")
+    loop = ControlLoop(lockstep, LocalPolicy(policy), LoopConfig(rate_hz=20, max_steps=50, realtime=False),
+                       recorder=rec)
+    with pytest.raises(KeyboardInterrupt):
+        loop.run_episode(seed=0)
+    policy.error = RuntimeError
+    with pytest.raises(RuntimeError):
+        loop.run_episode(seed=1)
+    rec.close()
+    lines = [json.loads(x) for x in (tmp_path / "rec.h5.episodes.jsonl").read_text().splitlines()]
+    assert [x["reason"] for x in lines] == ["interrupted", "error"]
+    assert lines[1]["error"] == "RuntimeError: operator pressed Ctrl+C twice"
+
+
+def test_deploy_exits_nonzero_when_the_policy_is_lost(tmp_path, capsys):
+    import threading
+
+    from train.cli import main
+    release = threading.Event()
+
+    class Stalls(JointTargetPolicy):
+        """Answers the first request, then hangs (a stuck GPU) until the test ends."""
+
+        def predict_action_chunk(self, obs, **kw):
+            if self.calls >= 1:
+                release.wait(60)
+            return super().predict_action_chunk(obs)
+
+    rec = tmp_path / "lost.h5"
+    with PolicyServer(Stalls(35, 8, [0.3, 0.6, 0.2, -1.6, 0.2, 2.5, 1.0], gripper=1.0), port=0) as srv:
+        try:
+            # lockstep: after the first chunk every tick waits out the 0.3 s timeout, so the 2 s of holding
+            # that make the policy lost take ~8 ticks however loaded the machine is (the env has 100)
+            code = main(["deploy", "--robot", "sim", "--lockstep", "--server", srv.address, "--episodes", "1",
+                         "--max-steps", "90", "--timeout", "0.3", "--record", str(rec), "--no-status"])
+        finally:
+            release.set()
+    out, err = capsys.readouterr()
+    episode = json.loads([x for x in out.splitlines() if x.startswith('{"steps"')][0])
+    assert episode["reason"] == "policy_lost" and episode["steps"] < 90
+    assert code == 1 and "1 of 1 episode(s) ended abnormally (episode 0: policy_lost)" in err
+    reasons = [json.loads(x)["reason"] for x in Path(str(rec) + ".episodes.jsonl").read_text().splitlines()]
+    assert reasons == ["policy_lost"] and rec.exists()
+
+
+def test_serve_command_caps_connections_and_closes_idle_clients():
+    from deploy.errors import PolicyUnavailableError
+    capped, capped_port = start_server_process("--max-connections", "1", "--idle-timeout", "0")  # 0: never idle out
+    idling, idling_port = start_server_process("--idle-timeout", "0.3")
+    try:
+        first = PolicyClient(port=capped_port, expect={"action_dim": 8})
+        with pytest.raises(PolicyUnavailableError, match="busy"):
+            PolicyClient(port=capped_port)
+        assert first.healthy
+        first.close()
+        idle = PolicyClient(port=idling_port)
+        deadline = time.monotonic() + 30  # generous: only the order of events matters
+        while idle.healthy and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(PolicyUnavailableError, match="idle for more than 0.3 s"):
+            idle.infer({"state": np.zeros(35, np.float32), "instruction": "x"})
+        idle.close()
+    finally:
+        for proc in (capped, idling):
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=30)

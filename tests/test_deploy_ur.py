@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import wait_for
 
 pytest.importorskip("rtde_receive")
 
@@ -193,13 +194,24 @@ def peer():
     p.close()
 
 
+def _status_fails(robot: URRobot) -> bool:
+    try:
+        robot.check_status()
+    except RobotCommandError:
+        return True
+    return False
+
+
 def test_receive_path_reads_state_and_modes_from_rtde(peer):
     q0 = np.array([0.0, -1.57, 1.57, -1.57, -1.57, 0.0])
     robot = URRobot(peer.host, control=False, instruction="pick the part")
     robot.connect()
     try:
         assert robot.is_connected and peer.ask("requests").split()[:4] == ["V", "v", "O", "S"]
-        time.sleep(0.1)
+        # the peer streams from another process: wait for its packages with a generous bound, not a
+        # fixed sleep that a loaded machine can outlast
+        joints = lambda: robot.get_observation()["state"][:6]  # noqa: E731
+        assert wait_for(lambda: np.allclose(joints(), q0, atol=1e-6), 10.0)
         obs = robot.get_observation()
         assert obs["state"].shape == (18,) and obs["instruction"] == "pick the part"
         np.testing.assert_allclose(obs["state"][:6], q0, atol=1e-6)
@@ -207,10 +219,10 @@ def test_receive_path_reads_state_and_modes_from_rtde(peer):
         robot.check_status()  # RUNNING + NORMAL
         moved = q0 + 0.25  # the arm moved: the stream carries it
         peer.ask("q " + " ".join(map(str, moved)))
-        time.sleep(0.1)
+        assert wait_for(lambda: np.allclose(joints(), moved, atol=1e-6), 10.0)
         np.testing.assert_allclose(robot.get_observation()["state"][:6], moved, atol=1e-6)
         peer.ask("safety 3")
-        time.sleep(0.1)
+        assert wait_for(lambda: _status_fails(robot), 10.0)
         with pytest.raises(RobotCommandError, match="PROTECTIVE_STOP"):
             robot.check_status()
         with pytest.raises(RobotCommandError, match="read-only"):
