@@ -17,7 +17,9 @@ Layouts: ``"random"`` draws the slot of every object from the seed alone (all in
 the same initial state for a seed); ``"correlated"`` makes the slot assignment a function of the
 commanded task (the commanded object starts in the slot next to its target receptacle, the other
 two in a task-specific order), so the scene alone predicts the task. In both, the seed adds
-small position/yaw jitter and robot joint noise.
+small position/yaw jitter and robot joint noise. ``layout="correlated", layout_rho=0.9``: the
+layout names the task in 90% of the episodes and is the seed's random layout otherwise (one extra
+seeded draw per episode, after the placement draws; ``env.episode_layout`` says which).
 
 Action: the robosuite backend's OSC_POSE layout ``[dx, dy, dz, dax, day, daz, grip]``.
 """
@@ -31,7 +33,7 @@ import numpy as np
 from envs.errors import InstructionError, InvalidOptionError
 from envs.robosuite_backend import (CONTROLLERS, RobosuiteEnv, check_cameras, check_positive_int,
                                     import_robosuite, make_robosuite_env)
-from envs.suite import Suite, Task
+from envs.suite import Suite, Task, check_layout_rho
 
 import_robosuite()
 
@@ -96,8 +98,11 @@ class GroundflowKitchen(ManipulationEnv):
     """
 
     def __init__(self, layout: str = "random", jitter: float = 0.015, yaw_range: float = np.pi / 6,
-                 initialization_noise: Any = "default", use_object_obs: bool = True, **kwargs: Any):
+                 initialization_noise: Any = "default", use_object_obs: bool = True,
+                 layout_rho: float = 1.0, **kwargs: Any):
         self.layout = layout
+        self.layout_rho = float(layout_rho)
+        self.episode_layout = layout
         self.jitter = float(jitter)
         self.yaw_range = float(yaw_range)
         self.commanded_task = 0
@@ -161,10 +166,14 @@ class GroundflowKitchen(ManipulationEnv):
     def _reset_internal(self) -> None:
         super()._reset_internal()  # robot joints (+ seeded noise)
         perm = self.rng.permutation(len(OBJECTS))  # drawn in both layouts: same stream either way
-        if self.layout == "correlated":
-            perm = np.array(CORRELATED[int(self.commanded_task)])
         jit = self.rng.uniform(-self.jitter, self.jitter, size=(len(SLOTS), 2))
         yaws = self.rng.uniform(-self.yaw_range, self.yaw_range, size=len(SLOTS))
+        self.episode_layout = self.layout
+        # layout_rho < 1: one more draw, last, so the draws above stay those of the seed
+        if self.layout == "correlated" and self.layout_rho < 1 and not self.rng.uniform() < self.layout_rho:
+            self.episode_layout = "random"
+        if self.episode_layout == "correlated":
+            perm = np.array(CORRELATED[int(self.commanded_task)])
         self.slot_of_object = np.empty(len(OBJECTS), dtype=int)
         for slot, o in enumerate(perm):
             self.slot_of_object[o] = slot
@@ -261,6 +270,11 @@ class KitchenSuiteEnv(RobosuiteEnv):
     def task(self) -> Task:
         return self.suite.tasks[self.task_id]
 
+    @property
+    def episode_layout(self) -> str:
+        """The layout the current episode got ("random" or "correlated"; see ``layout_rho``)."""
+        return self.rs.episode_layout
+
     def make_expert(self, noise: float = 0.0, task_id: int | None = None, seed: int | None = None):
         return PickPlaceExpert(noise=noise, task_id=task_id, seed=seed)
 
@@ -270,8 +284,11 @@ _OPTIONS = ("controller", "jitter", "initialization_noise", "control_freq")
 
 def make_kitchen_suite(env_id: str = "robosuite/KitchenSuite", layout: str = "random",
                        instruction: str | None = None, cameras: Any = (), image_size: int = 128,
-                       max_episode_steps: int = 250, **options: Any) -> KitchenSuiteEnv:
+                       max_episode_steps: int = 250, layout_rho: float = 1.0, **options: Any) -> KitchenSuiteEnv:
     """Make the kitchen suite env; ``instruction`` sets the task commanded when reset has none.
+
+    ``layout_rho`` (with ``layout="correlated"``): probability that an episode's layout names its
+    task; the other episodes get the seed's random layout.
 
     Extra options: ``jitter`` (+- metres of seeded position noise per slot, default 0.015),
     ``initialization_noise`` (robosuite's robot joint noise; default gaussian 0.02 rad),
@@ -279,10 +296,11 @@ def make_kitchen_suite(env_id: str = "robosuite/KitchenSuite", layout: str = "ra
     """
     bad = sorted(set(options) - set(_OPTIONS))
     if bad:
-        valid = ["layout", "instruction", "cameras", "image_size", "max_episode_steps", *_OPTIONS]
+        valid = ["layout", "layout_rho", "instruction", "cameras", "image_size", "max_episode_steps", *_OPTIONS]
         raise InvalidOptionError(f"{env_id}: unknown option(s) {bad}; valid options: {valid}")
     if layout not in LAYOUTS:
         raise InvalidOptionError(f"unknown layout {layout!r}; valid layouts: {list(LAYOUTS)}")
+    layout_rho = check_layout_rho(layout_rho, layout)
     controller = options.get("controller", "OSC_POSE")
     if controller != "OSC_POSE":
         raise InvalidOptionError(f"the kitchen suite uses controller 'OSC_POSE' (its expert rotates the "
@@ -299,7 +317,7 @@ def make_kitchen_suite(env_id: str = "robosuite/KitchenSuite", layout: str = "ra
     cams = (cameras,) if isinstance(cameras, str) else tuple(cameras or ())
     kwargs = {k: options[k] for k in ("jitter", "initialization_noise", "control_freq") if k in options}
     rs_env = make_robosuite_env(GroundflowKitchen, controller="OSC_POSE", cameras=cams, layout=layout,
-                                **kwargs)
+                                layout_rho=float(layout_rho), **kwargs)
     try:
         cams = check_cameras(cams, [rs_env.sim.model.camera_id2name(i) for i in range(rs_env.sim.model.ncam)])
     except InvalidOptionError:

@@ -37,7 +37,7 @@ from mani_skill.utils.scene_builder.table import TableSceneBuilder  # noqa: E402
 from mani_skill.utils.structs import Pose  # noqa: E402
 
 from envs.errors import InstructionError, InvalidOptionError  # noqa: E402
-from envs.suite import Suite, Task  # noqa: E402
+from envs.suite import Suite, Task, check_layout_rho  # noqa: E402
 
 # ============================================================================================ #
 # Shared geometry helpers
@@ -181,11 +181,18 @@ def correlated_layout(task: Task) -> tuple[tuple[int, int, int], int]:
 class GroundflowTabletopEnv(_TableTask):
     """Three cubes, two goal discs; the commanded task is chosen at reset.
 
-    Options of ``reset``: ``task_id`` (int, default: keep the current one), ``layout`` (this
-    episode only). Constructor: ``layout="random"`` (placement independent of the task: the same
-    seed gives the same initial state under every instruction) or ``"correlated"`` (which cube
-    sits in which slot and the column shift are a one-to-one function of the task; only the small
-    seeded jitter varies). The seeded random draws are identical under both layouts.
+    Options of ``reset``: ``task_id`` (int, default: keep the current one), ``layout`` and
+    ``layout_rho`` (this episode only). Constructor: ``layout="random"`` (placement independent
+    of the task: the same seed gives the same initial state under every instruction) or
+    ``"correlated"`` (which cube sits in which slot and the column shift are a one-to-one function
+    of the task; only the small seeded jitter varies). The seeded random draws are identical
+    under both layouts.
+
+    ``layout_rho`` (``layout="correlated"`` only, default 1): the probability that an episode's
+    layout names its task. Each episode draws one extra number from its seeded rng, after every
+    placement draw: with probability ``rho`` the episode is the correlated episode of its seed,
+    otherwise exactly the random-layout episode of that seed (same seed, same choice).
+    ``episode_layout`` says which one the current episode got.
     """
 
     SUPPORTED_ROBOTS = ["panda"]
@@ -194,8 +201,9 @@ class GroundflowTabletopEnv(_TableTask):
     default_max_steps = 150  # expert episodes: mean 12-27 steps, longest seen 68 (240 episodes)
 
     def __init__(self, *args, robot_uids: str = "panda", robot_init_qpos_noise: float = 0.02,
-                 layout: str = "random", **kwargs):
+                 layout: str = "random", layout_rho: float = 1.0, **kwargs):
         self.layout = _check_layout(layout)
+        self.layout_rho = check_layout_rho(layout_rho, self.layout)
         self.robot_init_qpos_noise = robot_init_qpos_noise
         self.commanded_task_id = 0
         self.episode_layout = self.layout
@@ -218,6 +226,7 @@ class GroundflowTabletopEnv(_TableTask):
         if "task_id" in options:
             self.commanded_task_id = _check_task_id(options["task_id"])
         self.episode_layout = _check_layout(options.get("layout", self.layout))
+        rho = check_layout_rho(options["layout_rho"], self.episode_layout) if "layout_rho" in options else self.layout_rho
         with torch.device(self.device):
             self.table_scene.initialize(env_idx)
             rng = self._episode_rng
@@ -227,6 +236,9 @@ class GroundflowTabletopEnv(_TableTask):
             shift_i = int(rng.randint(len(COLUMN_SHIFTS)))
             jit = rng.uniform(-1, 1, size=(3, 3)) * np.array(JITTER)
             goal_jit = rng.uniform(-GOAL_JITTER, GOAL_JITTER, size=(2, 2))
+            # layout_rho < 1: one more draw, last, so the draws above stay those of the seed
+            if self.episode_layout == "correlated" and rho < 1 and not rng.rand() < rho:
+                self.episode_layout = "random"
             if self.episode_layout == "correlated":
                 perm, shift_i = correlated_layout(self.suite.tasks[self.commanded_task_id])
             self.slot_cubes = perm

@@ -10,7 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.errors import InstructionError
+from envs.errors import InstructionError, InvalidOptionError
+
+
+def check_layout_rho(rho: Any, layout: str) -> float:
+    """``layout_rho`` of a suite: the probability that an episode's layout names its task, only
+    meaningful where the layout is correlated (random otherwise)."""
+    import numpy as np
+    if isinstance(rho, bool) or not isinstance(rho, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(rho) or not 0 <= rho <= 1:
+        raise InvalidOptionError(f"layout_rho is the probability that an episode's layout names its task, "
+                                 f"a number in [0, 1]; got {rho!r}")
+    if layout != "correlated" and rho != 1:
+        raise InvalidOptionError(f"layout_rho={rho} needs layout='correlated' (with layout={layout!r} the "
+                                 "layout never names the task)")
+    return float(rho)
 
 
 @dataclass(frozen=True)

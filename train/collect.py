@@ -34,6 +34,9 @@ class CollectArgs:
     image_size: int = 128
     layout: str | None = None
     """suites: random (instruction independent of layout) or correlated (layout predicts the task)"""
+    layout_rho: float | None = None
+    """suites with --layout correlated: probability that an episode's layout names its task (the
+    other episodes get the seed's random layout); default 1"""
     instructions: tuple[str, ...] = ()
     """suites: restrict to these instructions (default: all)"""
     noise: float = 0.0
@@ -47,6 +50,7 @@ class CollectArgs:
     max_attempts: int | None = None
     """give up after this many attempts (default 3x episodes)"""
     overwrite: bool = False
+    """replace an existing --out, or the .partial file a killed run left (refused otherwise)"""
     env_options: dict[str, Any] = field(default_factory=dict)
     """extra options passed to envs.make"""
     progress: bool = True
@@ -63,12 +67,15 @@ def collect(args: CollectArgs) -> dict[str, Any]:
         options.update(cameras=tuple(args.cameras), image_size=args.image_size)
     if args.layout is not None:
         options["layout"] = args.layout
+    if args.layout_rho is not None:
+        options["layout_rho"] = args.layout_rho
     env = envs.make(env_id, **options)
     suite = getattr(env, "suite", None)
     tasks = [suite.task(i) for i in args.instructions] if (suite and args.instructions) else (
         list(suite.tasks) if suite else [None])
     expert = env.make_expert(noise=args.noise, seed=args.seed)
     meta = {"source": "expert", "seed": args.seed, "noise": args.noise, "layout": args.layout,
+            "layout_rho": options.get("layout_rho"),
             "env_options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
             "suite": suite.name if suite else None,
             "instructions": [t.instruction for t in tasks] if suite else [env.instruction],
@@ -80,6 +87,7 @@ def collect(args: CollectArgs) -> dict[str, Any]:
     low, high = env.action_space.low, env.action_space.high
     attempts_max = args.max_attempts or 3 * args.episodes
     written = attempts = successes = steps = 0
+    episode_layouts: list[str] = []  # per written episode, where the suite says (layout_rho < 1 mixes them)
     t0 = time.time()
     bar = tqdm(total=args.episodes, desc=f"collect {env_id}", disable=not args.progress, unit="ep")
     with DatasetWriter(args.out, env_id, env.state_dim, env.action_space.shape[0], tuple(args.cameras),
@@ -107,8 +115,13 @@ def collect(args: CollectArgs) -> dict[str, Any]:
             if ep.succeeded or args.keep_failures:
                 writer.add(ep)
                 written += 1
+                layout = _episode_layout(env)
+                if layout is not None:
+                    episode_layouts.append(layout)
                 bar.update(1)
             bar.set_postfix(success=f"{successes}/{attempts}")
+        if episode_layouts:
+            meta["episode_layouts"] = episode_layouts
         writer.f.attrs["meta"] = __import__("json").dumps({**meta, "attempts": attempts, "expert_successes": successes})
     bar.close()
     env.close()
@@ -118,3 +131,11 @@ def collect(args: CollectArgs) -> dict[str, Any]:
               f"{successes}/{attempts})")
     return {"env_id": env_id, "episodes": written, "attempts": attempts, "expert_success_rate": successes / max(attempts, 1),
             "steps": steps, "seconds": dt, "steps_per_s": steps / max(dt, 1e-9), "out": str(args.out)}
+
+
+def _episode_layout(env: Any) -> str | None:
+    """The layout the env's current episode got ("random" / "correlated"), where the suite says."""
+    layout = getattr(env, "episode_layout", None)
+    if layout is None:
+        layout = getattr(getattr(env, "raw", None), "episode_layout", None)
+    return None if layout is None else str(layout)

@@ -1,4 +1,4 @@
-"""Registers the training, evaluation, diagnostics, deploy and debugging subcommands."""
+"""Registers the training, relabeling, evaluation, diagnostics, deploy and debugging subcommands."""
 
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ def _train(argv: list[str]) -> None:
         argv = argv[1:]
     # friendly aliases: --cig-weight (joint CIG), --from (continuation)
     argv = ["--cig.weight" if a == "--cig-weight" else "--init-from" if a == "--from" else a for a in argv]
-    args = tyro.cli(TrainArgs, args=argv, prog="groundflow train" + (" cig" if cig_stage else ""))
+    from train.recipes import recipe_args, recipe_from_argv
+    name = recipe_from_argv(argv)
+    default = recipe_args(name) if name else TrainArgs()
+    args = tyro.cli(TrainArgs, args=argv, default=default, prog="groundflow train" + (" cig" if cig_stage else ""))
     if cig_stage:
         if args.init_from is None:
             raise ValueError("groundflow train cig needs --from CKPT (the fine-tuned checkpoint to continue)")
@@ -48,6 +51,11 @@ def _diagnose(argv: list[str]) -> None:
     diagnose_command(argv)
 
 
+def _relabel(argv: list[str]) -> None:
+    from train.relabel import relabel_command
+    relabel_command(argv)
+
+
 def _serve(argv: list[str]) -> None:
     from deploy.commands import serve
     serve(argv)
@@ -63,6 +71,6 @@ def _debug(argv: list[str]) -> None:
     debug_command(argv)
 
 
-for _name, _fn in {"train": _train, "eval": _eval, "diagnose": _diagnose, "serve": _serve, "deploy": _deploy,
-                   "debug": _debug}.items():
+for _name, _fn in {"train": _train, "eval": _eval, "diagnose": _diagnose, "relabel": _relabel, "serve": _serve,
+                   "deploy": _deploy, "debug": _debug}.items():
     register_command(_name, _fn)

@@ -9,6 +9,11 @@
 - :func:`perturbation_eval` — success under each LIBERO-Plus-style perturbation family of
   :mod:`envs.perturbations`, next to the clean success on the same seeds; families that cannot
   apply to the env (e.g. camera shifts without cameras) are reported as skipped with the reason.
+- :func:`switch_eval` — mid-episode instruction switch: start under ``l``, command ``l'`` (a task
+  on other objects, still feasible) after a third of the expert's episode; success = ``l'``
+  completed. Only switches the reference expert itself solves count (:func:`switch_cases`).
+- :func:`paraphrase_eval` — every episode commanded with one of the suite's held-out
+  paraphrases (instructions no demo carries), next to the clean success on the same seeds.
 
 All return JSON-ready dicts with success rates and 95% Wilson intervals. Episodes run through
 :func:`train.evaluate.rollout` / :func:`train.evaluate.evaluate`; a policy is anything with
@@ -20,7 +25,7 @@ the protocols are checked against).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -50,10 +55,12 @@ class ExpertPolicy:
     """A suite's privileged expert behind the policy interface (``reset``, ``select_action``).
 
     At the first action of an episode it reads the task from ``obs["instruction"]`` (canonical
-    instruction or paraphrase) and makes ``env.make_expert(task_id=...)`` for it. With ``task``
-    (id or instruction) it always acts for that task whatever it is told: a policy that ignores
-    its instruction. Subclasses can override :meth:`task_for`. Protocols call :meth:`bind` with
-    the env the episodes run in (the expert reads its simulator).
+    instruction or paraphrase) and makes ``env.make_expert(task_id=...)`` for it; when the
+    instruction changes mid-episode (the switch protocol) it makes a new expert for the new task
+    from the current state. With ``task`` (id or instruction) it always acts for that task
+    whatever it is told: a policy that ignores its instruction. Subclasses can override
+    :meth:`task_for`. Protocols call :meth:`bind` with the env the episodes run in (the expert
+    reads its simulator).
     """
 
     def __init__(self, env: Any = None, task: int | str | None = None, noise: float = 0.0,
@@ -62,6 +69,7 @@ class ExpertPolicy:
         self.fixed_task = task
         self.noise, self.seed = float(noise), seed
         self._expert: Any = None
+        self._instruction: str | None = None
         if env is not None:
             self.bind(env)
 
@@ -90,10 +98,15 @@ class ExpertPolicy:
 
     def reset(self) -> None:
         self._expert = None
+        self._instruction = None
 
     def select_action(self, obs: dict) -> np.ndarray:
         if self.env is None:
             raise RuntimeError("ExpertPolicy is not bound to an env: call bind(env)")
+        instr = obs.get("instruction")
+        if self._expert is not None and self.fixed_task is None and instr != self._instruction:
+            self._expert = None  # told something else mid-episode: act for the new task from here
+        self._instruction = instr
         if self._expert is None:
             tid = self.task_for(obs)
             opts: dict[str, Any] = {"noise": self.noise, "seed": self.seed}
@@ -340,4 +353,273 @@ def perturbation_eval(policy: Any, env_id: str, families: Iterable[str] | None =
         if own:
             env.close()
     out["seconds"] = time.time() - t0
+    return out
+
+
+# ===================================================================================== #
+# Mid-episode instruction switch
+# ===================================================================================== #
+@dataclass
+class SwitchCase:
+    """One switch episode: reset with ``seed`` under ``old``; from step ``switch_after`` on, every
+    observation carries ``new`` instead."""
+
+    seed: int
+    old: str
+    new: str
+    switch_after: int
+    expert_success: bool | None = None
+    """the reference expert (following the current instruction) completed ``new`` (None: not run)"""
+    expert_steps: int | None = None
+    """steps the expert's episode took (to ``new`` done, or the step limit)"""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _objects(task: Any) -> set[str]:
+    """The objects a task touches: tabletop ``cube`` (+ ``base`` for a stack), kitchen ``object``."""
+    return {str(task.args[k]) for k in ("cube", "base", "object") if k in task.args}
+
+
+def _primary(task: Any) -> str | None:
+    a = task.args
+    return str(a.get("cube", a.get("object"))) if ("cube" in a or "object" in a) else None
+
+
+def switch_targets(suite: Any, old: str | int, pool: Iterable[str] | None = None) -> list[str]:
+    """Instructions of ``pool`` (default: the suite's) worth switching to from ``old``: tasks that
+    touch none of ``old``'s objects (tabletop: another cube, and for stacks neither cube of the
+    pair; kitchen: another object), so the new task is still feasible wherever ``old`` got to and
+    doing ``old`` is no progress on it. Falls back to tasks with another main object, then to any
+    other task."""
+    o = suite.task(old)
+    cands = [suite.task(p) for p in (suite.instructions if pool is None else pool)]
+    cands = [t for t in cands if t.task_id != o.task_id]
+    for keep in (lambda t: not (_objects(t) & _objects(o)), lambda t: _primary(t) != _primary(o), lambda t: True):
+        tier = [t.instruction for t in cands if keep(t)]
+        if tier:
+            return tier
+    raise InstructionError(f"no instruction to switch to from {o.instruction!r} in {list(pool or [])}")
+
+
+def _check_positive(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise InvalidOptionError(f"{name} must be a positive int, got {v!r}")
+    return int(v)
+
+
+def _suite_of(env: Any, env_id: str, what: str) -> Any:
+    suite = getattr(env, "suite", None)
+    if suite is None:
+        raise InvalidOptionError(f"{env_id}: the {what} protocol needs a multi-instruction suite env; "
+                                 f"suites: {envs.list_envs(kind='suite')}")
+    return suite
+
+
+def _switch_rollout(policy: Any, env: Any, case: SwitchCase, replan: bool = True) -> dict[str, Any]:
+    """One switch episode on a ``_Tracked`` env. Runs until ``new`` is done or the step limit; the
+    env's own termination (its commanded task, ``old``, done) does not end it."""
+    suite = env.suite
+    old_id, new_id = suite.task(case.old).task_id, suite.task(case.new).task_id
+    obs, info = env.reset(seed=case.seed, options={"instruction": case.old})
+    policy.reset()
+    out = {"success": False, "old_completed": False, "other_task": False, "new_before_switch": False, "steps": 0}
+    for t in range(env.max_episode_steps):
+        if t == case.switch_after and replan:
+            policy.reset()  # drop queued actions: the new command is acted on from this step
+        if t >= case.switch_after:
+            obs = {**obs, "instruction": case.new}
+        obs, _, _, trunc, info = env.step(policy.select_action(obs))
+        out["steps"] = t + 1
+        done = info.get("completed_tasks")
+        if done is not None:
+            done = np.asarray(done, bool)
+            out["old_completed"] |= bool(done[old_id])
+            others = np.delete(done, [old_id, new_id])
+            out["other_task"] |= bool(others.any())
+            if done[new_id]:
+                if t + 1 <= case.switch_after:
+                    out["new_before_switch"] = True  # done before it was asked for: never a success
+                elif not out["new_before_switch"]:
+                    out["success"] = True
+                    break
+        if trunc:
+            break
+    return out
+
+
+def switch_cases(env_id: str, episodes: int = 24, seed: int = 3000, instructions: list[str] | None = None,
+                 switch_after: int | None = None, switch_fraction: float = 1 / 3, check_expert: bool = True,
+                 env_options: dict | None = None, env: Any = None, progress: bool = False) -> list[SwitchCase]:
+    """The episodes of the switch protocol, with the reference expert's result on each.
+
+    Case ``i`` resets with ``seed + i`` under instruction ``i mod K`` of ``instructions`` (default:
+    the suite's) and switches to a target drawn (seeded by ``seed + i``) from
+    :func:`switch_targets` within the same instructions. ``switch_after`` (steps) defaults to
+    ``switch_fraction`` of the expert's mean episode length under the old instruction over these
+    cases (measured by running the expert). ``check_expert`` rolls :class:`ExpertPolicy`
+    (following the current instruction) through every case: :func:`switch_eval` counts only
+    the switches it solves. Compute the cases once and pass them to every policy's evaluation.
+    """
+    episodes = _check_positive("episodes", episodes)
+    if not 0 < switch_fraction < 1:
+        raise InvalidOptionError(f"switch_fraction must be in (0, 1), got {switch_fraction!r}")
+    if switch_after is not None:
+        switch_after = _check_positive("switch_after", switch_after)
+    own = env is None
+    env = envs.make(env_id, **(env_options or {})) if own else env
+    try:
+        suite = _suite_of(env, env_id, "switch")
+        instrs = [suite.task(l).instruction for l in (instructions or suite.instructions)]
+        if len(set(instrs)) < 2:
+            raise InstructionError(f"the switch protocol needs >= 2 instructions, got {instrs}")
+        tracked = _Tracked(env)
+        plan: list[tuple[int, str, str]] = []
+        for i in range(episodes):
+            old = instrs[i % len(instrs)]
+            targets = switch_targets(suite, old, instrs)
+            plan.append((seed + i, old, targets[int(np.random.default_rng(seed + i).integers(len(targets)))]))
+        after: dict[str, int] = {}
+        if switch_after is None:  # a fraction of the expert's own episode under the old instruction
+            lengths: dict[str, list[int]] = {}
+            expert = ExpertPolicy()
+            _prepare(expert, tracked)
+            for s, old, _ in tqdm(plan, desc="switch: expert lengths", disable=not progress, unit="ep"):
+                n = _expert_steps(expert, tracked, s, old)
+                if n is not None:
+                    lengths.setdefault(old, []).append(n)
+            every = [n for v in lengths.values() for n in v]
+            if not every:
+                raise InvalidOptionError(f"{env_id}: the expert solved none of the old instructions; pass switch_after")
+            for old in instrs:
+                mean = float(np.mean(lengths.get(old) or every))
+                after[old] = max(1, int(round(switch_fraction * mean)))
+        cases = [SwitchCase(s, old, new, switch_after or after[old]) for s, old, new in plan]
+        if check_expert:
+            expert = ExpertPolicy()
+            _prepare(expert, tracked)
+            for c in tqdm(cases, desc="switch: expert check", disable=not progress, unit="ep"):
+                r = _switch_rollout(expert, tracked, c)
+                c.expert_success, c.expert_steps = bool(r["success"]), int(r["steps"])
+    finally:
+        if own:
+            env.close()
+    return cases
+
+
+def _expert_steps(expert: ExpertPolicy, env: Any, seed: int, instruction: str) -> int | None:
+    """Steps the expert needs for ``instruction`` from ``seed`` (None: not done within the limit)."""
+    obs, _ = env.reset(seed=seed, options={"instruction": instruction})
+    expert.reset()
+    for t in range(env.max_episode_steps):
+        obs, _, term, trunc, info = env.step(expert.select_action(obs))
+        if info["success"]:
+            return t + 1
+        if term or trunc:
+            break
+    return None
+
+
+def switch_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 3000, switch_after: int | None = None,
+                switch_fraction: float = 1 / 3, instructions: list[str] | None = None,
+                cases: list[SwitchCase] | None = None, skip_expert_failures: bool = True,
+                replan_at_switch: bool = True, env_options: dict | None = None, env: Any = None,
+                progress: bool = False) -> dict[str, Any]:
+    """Mid-episode instruction switch: start under ``l``, from ``switch_after`` steps on command
+    ``l'`` (a task on other objects, see :func:`switch_targets`); success = ``l'`` completed
+    before the episode ends (the step limit; ``l'`` done before the switch does not count).
+
+    ``cases`` (from :func:`switch_cases`) fix the episodes; without them they are made here from
+    ``episodes``/``seed``/``switch_after``/``switch_fraction``/``instructions``. With
+    ``skip_expert_failures`` the rates are over the cases the reference expert solves (the
+    switches a policy can be blamed for); ``expert_success_rate`` says how many that is.
+    ``replan_at_switch`` calls ``policy.reset()`` at the switch (queued actions of a chunk are
+    dropped, as a robot given a new command would); False lets the queued chunk run out first.
+    Also reported: how often the OLD task was completed (the policy kept doing what it was first
+    told), how often some third task was, per-case results.
+    """
+    own = env is None
+    env = _make(policy, env_id, env_options) if own else env
+    try:
+        suite = _suite_of(env, env_id, "switch")
+        if cases is None:
+            cases = switch_cases(env_id, episodes, seed, instructions, switch_after, switch_fraction,
+                                 check_expert=skip_expert_failures, env=env, progress=progress)
+        if not cases:
+            raise InvalidOptionError("switch_eval needs at least one case")
+        if skip_expert_failures and any(c.expert_success is None for c in cases):
+            raise InvalidOptionError("skip_expert_failures needs cases with the expert's result "
+                                     "(switch_cases(..., check_expert=True))")
+        if hasattr(policy, "lang"):
+            check_vocabulary(policy, sorted({l for c in cases for l in (c.old, c.new)}), suite,
+                             what=f"the {suite.name} switch cases")
+        tracked = _Tracked(env)
+        _prepare(policy, tracked)
+        t0 = time.time()
+        per_case = []
+        for c in tqdm(cases, desc=f"switch {env_id}", disable=not progress, unit="ep"):
+            counted = not skip_expert_failures or bool(c.expert_success)
+            r = _switch_rollout(policy, tracked, c, replan=replan_at_switch) if counted else None
+            per_case.append({**c.to_dict(), "counted": counted, **(r or {})})
+    finally:
+        if own:
+            env.close()
+    run = [p for p in per_case if p["counted"]]
+    n = len(run)
+    k = sum(p["success"] for p in run)
+    old_k = sum(p["old_completed"] for p in run)
+    other_k = sum(p["other_task"] for p in run)
+    checked = [c for c in cases if c.expert_success is not None]
+    ex_k = sum(bool(c.expert_success) for c in checked)
+    return {
+        "protocol": "instruction_switch", "env_id": env_id, "cases": len(cases), "episodes": n,
+        "skipped_expert_failures": len(cases) - n, "successes": k,
+        "switch_success_rate": k / n if n else 0.0, "ci95": list(wilson(k, n)),
+        "old_task_completed_rate": old_k / n if n else 0.0, "old_task_ci95": list(wilson(old_k, n)),
+        "did_other_task_rate": other_k / n if n else 0.0, "did_other_task_ci95": list(wilson(other_k, n)),
+        "expert_success_rate": ex_k / len(checked) if checked else None,
+        "expert_ci95": list(wilson(ex_k, len(checked))) if checked else None,
+        "mean_switch_after": float(np.mean([c.switch_after for c in cases])),
+        "replan_at_switch": replan_at_switch, "per_case": per_case, "seconds": time.time() - t0,
+    }
+
+
+# ===================================================================================== #
+# Unseen paraphrases
+# ===================================================================================== #
+def paraphrase_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 4000,
+                    instructions: list[str] | None = None, env_options: dict | None = None, env: Any = None,
+                    clean: bool = True, perturbation_seed: int = 0, progress: bool = False) -> dict[str, Any]:
+    """Success when every episode's task is commanded with one of the suite's held-out paraphrases
+    (the ``paraphrase`` family of :func:`perturbation_eval` at probability 1), next to the clean
+    success on the same seeds and instruction cycle.
+
+    Demonstrations (``collect``, ``relabel``) carry canonical instructions only, so the
+    paraphrases are unseen in training; a checkpoint encodes them with its (frozen) language
+    encoder on demand. ``paraphrases_in_vocabulary`` lists any the checkpoint already carries
+    (then this is not an unseen-paraphrase test for those).
+    """
+    own = env is None
+    env = _make(policy, env_id, env_options) if own else env
+    try:
+        suite = _suite_of(env, env_id, "paraphrase")
+        instrs = [suite.task(l).instruction for l in (instructions or suite.instructions)]
+        paras = {p for l in instrs for p in suite.task(l).paraphrases}
+        known = sorted(paras & set(getattr(getattr(policy, "lang", None), "cache", {}) or {}))
+        r = perturbation_eval(policy, env_id, ["paraphrase"], episodes, seed, env=env,
+                              params={"paraphrase": {"magnitude": 1.0}}, perturbation_seed=perturbation_seed,
+                              clean=clean, progress=progress, instructions=instrs)
+    finally:
+        if own:
+            env.close()
+    fam = r["families"]["paraphrase"]
+    out = {"protocol": "paraphrase", "env_id": env_id, "episodes": fam["episodes"], "seed": seed,
+           "successes": fam["successes"], "success_rate": fam["success_rate"], "ci95": fam["ci95"],
+           "did_other_task_rate": fam["did_other_task_rate"], "per_instruction": fam["per_instruction"],
+           "paraphrases_in_vocabulary": known, "seconds": r["seconds"]}
+    if clean:
+        out["clean"] = {k: r["clean"][k] for k in ("episodes", "successes", "success_rate", "ci95",
+                                                    "did_other_task_rate")}
+        out["delta_vs_clean"] = fam["delta_vs_clean"]
     return out
