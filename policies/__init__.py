@@ -13,9 +13,10 @@ from policies.autoregressive import AutoregressiveVLA
 from policies.base import Policy
 from policies.config import SIZES, PolicyConfig
 from policies.flow import FlowMatchingVLA
+from policies.mlp import MLPPolicy
 from policies.model import PolicyMismatchError, VLAModel, load_weights, read_checkpoint_meta
 
-CLASSES = {"flow": FlowMatchingVLA, "ar": AutoregressiveVLA}
+CLASSES = {"flow": FlowMatchingVLA, "ar": AutoregressiveVLA, "mlp": MLPPolicy}
 
 
 def make_policy(config: PolicyConfig) -> VLAModel:
@@ -24,12 +25,16 @@ def make_policy(config: PolicyConfig) -> VLAModel:
 
 def load(directory: str | os.PathLike, device: str = "cpu") -> VLAModel:
     """Load a checkpoint written by ``policy.save(dir)``."""
+    from envs.errors import CheckpointError
     meta = read_checkpoint_meta(directory)
-    config = PolicyConfig.from_dict(meta["config"])
+    try:
+        config = PolicyConfig.from_dict(meta["config"])
+    except (KeyError, TypeError, ValueError) as e:  # an edited or foreign config.json
+        raise CheckpointError(f"{directory}/config.json holds no valid policy config: {e}") from e
     model = make_policy(config)
     load_weights(model, directory, meta)
     return model.to(device)
 
 
-__all__ = ["FlowMatchingVLA", "AutoregressiveVLA", "PolicyConfig", "SIZES", "Policy", "VLAModel",
+__all__ = ["FlowMatchingVLA", "AutoregressiveVLA", "MLPPolicy", "PolicyConfig", "SIZES", "Policy", "VLAModel",
            "PolicyMismatchError", "make_policy", "load", "read_checkpoint_meta"]

@@ -45,7 +45,7 @@ class AutoregressiveVLA(VLAModel):
         bos = torch.full((B, 1), self.config.n_bins, dtype=torch.long, device=prefix.device)
         inp = torch.cat([bos, tokens], 1)
         n = inp.shape[1]
-        a = self.bin_emb(inp) + self.pos_emb[:, :n] + self.type_emb[3]
+        a = self.bin_emb(inp) + self.pos_emb[:, :n] + self.type_emb[3] + self.action_cond(prefix)
         x = torch.cat([prefix, a], 1)
         L = P + n
         mask = torch.zeros(L, L, dtype=torch.bool, device=prefix.device)
@@ -107,9 +107,10 @@ class AutoregressiveVLA(VLAModel):
         cache = self._prefix_cache(prefix, pad)
         nb = self.config.n_bins
         nxt = torch.full((prefix.shape[0],), nb, dtype=torch.long, device=self.device)  # BOS
+        cond = self.action_cond(prefix)
         tokens = []
         for j in range(self.n_tokens):
-            x = (self.bin_emb(nxt) + self.pos_emb[0, j] + self.type_emb[3])[:, None]
+            x = (self.bin_emb(nxt) + self.pos_emb[0, j] + self.type_emb[3])[:, None] + cond
             lg = self.head(self.final_norm(self._cached_step(x, cache)))[:, 0].float()
             if w != 1.0:
                 lc, lu = lg[:B], lg[B:]

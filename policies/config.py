@@ -16,7 +16,7 @@ SIZES = {  # d_model, n_layers, n_heads
 
 @dataclass
 class PolicyConfig:
-    kind: Literal["flow", "ar"] = "flow"
+    kind: Literal["flow", "ar", "mlp"] = "flow"
     state_dim: int = 0
     action_dim: int = 0
     horizon: int = 8
@@ -34,6 +34,18 @@ class PolicyConfig:
     lang_tokens: Literal["pooled", "tokens"] = "pooled"
     """pooled: one sentence token; tokens: MiniLM token features (up to max_lang_tokens)"""
     max_lang_tokens: int = 16
+    fusion: Literal["late", "early"] = "late"
+    """how the instruction meets the scene. late: the state is encoded alone and meets the language
+    only through attention; early: the state encoder also reads the pooled instruction feature
+    (FiLM-like, as RT-1 conditions its image encoder), so instruction-dependent scene features
+    are computed before any attention"""
+    state_hidden: int = 0
+    """hidden width of the state encoder MLP (0: d_model)"""
+    lang_norm: bool = False
+    """centre the instruction features on the training instructions' mean and scale them to unit
+    RMS (statistics in the checkpoint). MiniLM sentence features of one suite share most of their
+    direction (cosine 0.86-0.99), so raw, the differences that name the task are a few percent of
+    the input; centred, they are all of it"""
     flow_steps: int = 10
     """Euler steps when sampling a flow chunk"""
     n_bins: int = 256
@@ -45,8 +57,8 @@ class PolicyConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("flow", "ar"):
-            raise ValueError(f"policy kind must be 'flow' or 'ar', got {self.kind!r}")
+        if self.kind not in ("flow", "ar", "mlp"):
+            raise ValueError(f"policy kind must be 'flow', 'ar' or 'mlp', got {self.kind!r}")
         if self.size not in SIZES:
             raise ValueError(f"unknown size {self.size!r}; valid sizes: {list(SIZES)}")
         d, n, h = SIZES[self.size]
@@ -58,6 +70,9 @@ class PolicyConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         self.cameras = tuple(self.cameras)
+        if self.fusion not in ("late", "early"):
+            raise ValueError(f"fusion must be 'late' or 'early', got {self.fusion!r}")
+        self.state_hidden = self.state_hidden or self.d_model
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -34,7 +34,7 @@ class FlowMatchingVLA(VLAModel):
         """v(x_t, t | o, l) for chunks x_t (B, H, A) given conditioning tokens."""
         B, H, _ = x_t.shape
         a = self.action_in(x_t) + self.step_emb[:, :H] + self.time_mlp(sinusoidal(t, self.config.d_model))[:, None]
-        a = a + self.type_emb[3]
+        a = a + self.type_emb[3] + self.action_cond(prefix)
         x = torch.cat([prefix, a], 1)
         p = torch.cat([pad, torch.zeros(B, H, dtype=torch.bool, device=pad.device)], 1)
         out, hidden = self.run(x, p, keep=keep)

@@ -62,11 +62,12 @@ class VLAModel(nn.Module):
             raise ValueError("PolicyConfig needs state_dim and action_dim (> 0)")
         self.config = c = config
         d = c.d_model
-        self.normalizer = Normalizer(c.state_dim, c.action_dim)
+        self.normalizer = Normalizer(c.state_dim, c.action_dim, c.lang_dim if c.lang_norm else 0)
         self.lang = LanguageEncoder(c.lang_tokens, c.max_lang_tokens)
         self.lang_proj = nn.Linear(c.lang_dim, d)
         self.null_lang = nn.Parameter(torch.zeros(1, 1, d))  # the "no instruction" condition
-        self.state_proj = nn.Sequential(nn.Linear(c.state_dim, d), nn.GELU(), nn.Linear(d, d))
+        state_in = c.state_dim + (c.lang_dim if c.fusion == "early" else 0)
+        self.state_proj = nn.Sequential(nn.Linear(state_in, c.state_hidden), nn.GELU(), nn.Linear(c.state_hidden, d))
         self.vision = ImageEncoder(d, c.cameras) if c.cameras else None
         self.type_emb = nn.Parameter(torch.randn(4, d) * 0.02)  # lang, image, state, action
         self.layers = nn.ModuleList([
@@ -101,7 +102,8 @@ class VLAModel(nn.Module):
             drop_lang = is_null if drop_lang is None else (torch.as_tensor(drop_lang).bool().cpu() | is_null)
             instr = [self.lang_placeholder if s == NULL_INSTRUCTION else s for s in instr]
         feats, lmask = self.lang(instr)
-        ltok = self.lang_proj(feats.to(dev)) + self.type_emb[0]
+        feats = self.normalizer.language(feats.to(dev))
+        ltok = self.lang_proj(feats) + self.type_emb[0]
         lmask = lmask.to(dev)
         if drop_lang is not None and drop_lang.any():
             drop = drop_lang.to(dev).bool()
@@ -117,10 +119,28 @@ class VLAModel(nn.Module):
             itok = self.vision(imgs) + self.type_emb[1]
             toks.append(itok)
             masks.append(torch.zeros(B, itok.shape[1], dtype=torch.bool, device=dev))
-        stok = self.state_proj(self.normalizer.state(state))[:, None] + self.type_emb[2]
+        s_in = self.normalizer.state(state)
+        if self.config.fusion == "early":
+            s_in = torch.cat([s_in, self._pooled(feats.to(dev), lmask, drop_lang)], -1)
+        stok = self.state_proj(s_in)[:, None] + self.type_emb[2]
         toks.append(stok)
         masks.append(torch.zeros(B, 1, dtype=torch.bool, device=dev))
         return torch.cat(toks, 1), torch.cat(masks, 1)
+
+    def action_cond(self, prefix: torch.Tensor) -> torch.Tensor | float:
+        """What every action token adds to its input: with early fusion the fused state-instruction
+        token (the last prefix token), so each action token starts from instruction-dependent scene
+        features (the MLP-like path) instead of reaching them only through attention; else 0."""
+        return prefix[:, -1:] if self.config.fusion == "early" else 0.0
+
+    def _pooled(self, feats: torch.Tensor, lmask: torch.Tensor, drop_lang: torch.Tensor | None) -> torch.Tensor:
+        """(B, lang_dim) mean instruction feature over its tokens; zeros where the instruction is
+        dropped (the null condition of CFG and the PMI branch)."""
+        keep = (~lmask).float()
+        pooled = (feats * keep[..., None]).sum(1) / keep.sum(1, keepdim=True).clamp_min(1)
+        if drop_lang is not None and drop_lang.any():
+            pooled = torch.where(drop_lang.to(feats.device).bool()[:, None], torch.zeros_like(pooled), pooled)
+        return pooled
 
     def run(self, x: torch.Tensor, pad: torch.Tensor, attn_mask: torch.Tensor | None = None,
             keep: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -178,13 +198,20 @@ class VLAModel(nn.Module):
         raise NotImplementedError
 
     # ----- statistics, persistence ----------------------------------------------------------
-    def fit_normalizer(self, states: np.ndarray, actions: np.ndarray) -> None:
+    def fit_normalizer(self, states: np.ndarray, actions: np.ndarray, instructions: list[str] | None = None) -> None:
+        """Dataset statistics; with ``config.lang_norm`` also those of the training ``instructions``."""
         self.normalizer.fit(states, actions)
+        if self.config.lang_norm:
+            if not instructions:
+                raise ValueError("lang_norm needs the training instructions to fit the language statistics")
+            self.normalizer.fit_language(*self.lang(sorted(set(instructions))))
 
     def save(self, directory: str | os.PathLike, extra: dict | None = None) -> Path:
         """safetensors weights + JSON config + normalization stats + cached instruction features.
 
-        Written to a temporary folder and renamed, so a crash never leaves a half checkpoint."""
+        Written to a temporary folder and renamed, so a crash never leaves a half checkpoint. A
+        crash between the two renames of a replacement leaves only ``DIR.old`` (complete): loading
+        falls back to it, and the next save removes it."""
         from safetensors.torch import save_file
         out = Path(directory)
         tmp = out.with_name(out.name + ".tmp")
@@ -206,26 +233,60 @@ class VLAModel(nn.Module):
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+            shutil.rmtree(out.with_name(out.name + ".old"), ignore_errors=True)  # an interrupted save's fallback
         return out
 
 
 def read_checkpoint_meta(directory: str | os.PathLike) -> dict:
+    """The checkpoint's config.json; ``DIR.old`` when ``DIR`` is missing because a save() was
+    interrupted between its two renames (the previous version is complete there)."""
+    import warnings
+    from envs.errors import CheckpointError
     d = Path(directory)
+    old = d.with_name(d.name + ".old")
+    if not d.exists() and (old / "config.json").is_file():
+        warnings.warn(f"{d} is missing (a save was interrupted); loading the previous version {old}")
+        d = old
     cfg = d / "config.json"
     if not cfg.is_file():
         raise FileNotFoundError(f"{d} is not a groundflow checkpoint (no config.json)")
-    meta = json.loads(cfg.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{d}: not a groundflow policy checkpoint (format={meta.get('format')!r})")
+    try:
+        meta = json.loads(cfg.read_text())
+    except ValueError as e:  # truncated or garbled JSON, bad UTF-8
+        raise CheckpointError(f"{cfg} is not valid JSON (truncated or corrupt?): {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise ValueError(f"{d}: not a groundflow policy checkpoint (format={fmt!r})")
     return meta
 
 
 def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> VLAModel:
+    """Weights and instruction features into ``model``; damaged or mismatched files raise a
+    one-line CheckpointError naming the file (not a SafetensorError or a multi-line RuntimeError)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+    from envs.errors import CheckpointError
     d = Path(directory)
-    model.load_state_dict(load_file(str(d / "model.safetensors")), strict=True)
-    if (d / "language.safetensors").is_file():
-        tensors = load_file(str(d / "language.safetensors"))
-        model.lang.cache.update({t: tensors[f"i{i}"] for i, t in enumerate(meta["instructions"])})
+    old = d.with_name(d.name + ".old")
+    if not d.exists() and (old / "config.json").is_file():  # as read_checkpoint_meta: an interrupted save
+        d = old
+    path = d / "model.safetensors"
+    try:
+        weights = load_file(str(path))
+        try:
+            model.load_state_dict(weights, strict=True)
+        except RuntimeError as e:  # size mismatch / missing keys: config.json and weights disagree
+            lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()] or [str(e)]
+            more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+            raise CheckpointError(f"{path} does not fit the policy described by {d / 'config.json'} "
+                                  f"(edited config or mixed files?): {lines[0]}{more}") from e
+        if (d / "language.safetensors").is_file():
+            path = d / "language.safetensors"
+            tensors = load_file(str(path))
+            model.lang.cache.update({t: tensors[f"i{i}"] for i, t in enumerate(meta["instructions"])})
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is unreadable (missing, truncated or corrupt?): {e}") from e
+    except KeyError as e:
+        raise CheckpointError(f"{path} lacks the features of instruction {e} listed in {d / 'config.json'}") from e
     model.eval()
     return model

@@ -11,8 +11,11 @@ from torch import nn
 
 
 class Normalizer(nn.Module):
-    def __init__(self, state_dim: int, action_dim: int):
+    def __init__(self, state_dim: int, action_dim: int, lang_dim: int = 0):
         super().__init__()
+        if lang_dim:  # only policies configured with lang_norm carry (and save) these
+            self.register_buffer("lang_mean", torch.zeros(lang_dim))
+            self.register_buffer("lang_scale", torch.ones(()))
         self.register_buffer("state_mean", torch.zeros(state_dim))
         self.register_buffer("state_std", torch.ones(state_dim))
         self.register_buffer("action_min", -torch.ones(action_dim))
@@ -27,6 +30,20 @@ class Normalizer(nn.Module):
         pad = ((hi - lo) * 0.02).clamp_min(1e-3)  # keep constant dims (e.g. a held gripper) finite
         self.action_min.copy_(lo - pad)
         self.action_max.copy_(hi + pad)
+
+    def fit_language(self, feats: torch.Tensor, mask: torch.Tensor) -> None:
+        """Instruction-feature statistics from (N, L, D) features of the training instructions
+        (padding ``mask`` True): per-dimension mean, one scale (RMS of the centred features), so
+        the geometry among instructions, paraphrases included, is kept."""
+        valid = feats[~mask]
+        mean = valid.mean(0)
+        self.lang_mean.copy_(mean)
+        self.lang_scale.copy_(((valid - mean) ** 2).sum(-1).mean().sqrt().clamp_min(1e-6))
+
+    def language(self, f: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "lang_mean"):
+            return f
+        return (f - self.lang_mean.to(f.device)) / self.lang_scale.to(f.device)
 
     def state(self, s: torch.Tensor) -> torch.Tensor:
         return (s - self.state_mean) / self.state_std

@@ -65,16 +65,19 @@ def _tiny(kind="flow", **kw):
     cfg = PolicyConfig(kind=kind, state_dim=6, action_dim=3, horizon=4, n_exec=2, **kw)
     p = policies.make_policy(cfg)
     rng = np.random.default_rng(0)
-    p.fit_normalizer(rng.normal(size=(50, 6)), rng.uniform(-2, 2, size=(50, 3)))
+    p.fit_normalizer(rng.normal(size=(50, 6)), rng.uniform(-2, 2, size=(50, 3)),
+                     [OBS["instruction"], "pick up the red cube"])
     return p
 
 
 OBS = {"state": np.linspace(-1, 1, 6).astype(np.float32), "instruction": "push the red cube to the left goal"}
 
 
-@pytest.mark.parametrize("kind", ["flow", "ar"])
-def test_save_load_gives_identical_actions(tmp_path, kind):
-    p = _tiny(kind)
+@pytest.mark.parametrize("kind,kw", [("flow", {}), ("ar", {}), ("mlp", {"lang_norm": True}),
+                                     ("flow", {"fusion": "early", "lang_norm": True, "state_hidden": 32}),
+                                     ("ar", {"fusion": "early", "lang_norm": True})])
+def test_save_load_gives_identical_actions(tmp_path, kind, kw):
+    p = _tiny(kind, **kw)
     for prm in p.parameters():
         torch.nn.init.normal_(prm, std=0.1)
     p.save(tmp_path / "ckpt")
@@ -87,6 +90,21 @@ def test_save_load_gives_identical_actions(tmp_path, kind):
     assert a.shape == (4, 3)
     meta = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert meta["config"]["kind"] == kind and (tmp_path / "ckpt" / "model.safetensors").is_file()
+    if kw.get("lang_norm"):  # the instruction statistics travel with the checkpoint
+        assert torch.equal(p.normalizer.lang_mean, q.normalizer.lang_mean) and float(q.normalizer.lang_scale) != 1.0
+
+
+def test_language_is_centred_on_the_training_instructions():
+    p = _tiny("flow", fusion="early", lang_norm=True)
+    feats, mask = p.lang([OBS["instruction"], "pick up the red cube"])
+    centred = p.normalizer.language(feats)[:, 0]
+    assert torch.allclose(centred.mean(0), torch.zeros(centred.shape[1]), atol=1e-5)  # two instructions: +-d
+    assert float((centred ** 2).sum(-1).mean()) == pytest.approx(1.0, rel=1e-4)
+    raw = torch.nn.functional.cosine_similarity(feats[0, 0], feats[1, 0], dim=0)
+    assert float(torch.nn.functional.cosine_similarity(centred[0], centred[1], dim=0)) < float(raw)
+    with pytest.raises(ValueError, match="lang_norm needs the training instructions"):
+        policies.make_policy(PolicyConfig(kind="flow", state_dim=6, action_dim=3, lang_norm=True)).fit_normalizer(
+            np.zeros((2, 6)), np.zeros((2, 3)))
 
 
 def test_flow_sampling_deterministic_given_noise():
@@ -173,8 +191,8 @@ def test_bad_inputs_are_named(tmp_path, push_data):
     s = train(TrainArgs(data=(push_data,), steps=6, batch_size=8, out=out, wandb="disabled", progress=False,
                         resume=True))
     assert s["steps"] == 6 and len(s["history"]) == 6
-    # a corrupt sensor reading (NaN state) makes the loss non-finite: training stops naming the batch
-    from train.dataset import Dataset, DatasetWriter
+    # a corrupt sensor reading (NaN state) is refused when the data loads, naming the file and the episode
+    from train.dataset import Dataset, DatasetError, DatasetWriter
     src = Dataset(push_data)
     bad = tmp_path / "nan.h5"
     with DatasetWriter(bad, src.env_id, src.state_dim, src.action_dim) as w:
@@ -183,7 +201,7 @@ def test_bad_inputs_are_named(tmp_path, push_data):
             if i == 1:
                 ep.state[3, 0] = np.nan
             w.add(ep)
-    with pytest.raises(FloatingPointError, match="episodes"):
+    with pytest.raises(DatasetError, match=r"nan\.h5: episode 1 has NaN/inf in state"):
         train(TrainArgs(data=(bad,), steps=3, batch_size=8, out=tmp_path / "nan", wandb="disabled", progress=False))
 
 

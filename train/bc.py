@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +26,14 @@ import torch
 from tqdm import tqdm
 
 import policies
+from envs.errors import CheckpointError, GroundflowError
 from policies import PolicyConfig, make_policy
 from train.data import ChunkData
 from train.logger import Logger
+
+
+class TrainingDivergedError(GroundflowError, FloatingPointError):
+    """A non-finite loss: training stops before NaN weights reach a checkpoint."""
 
 
 @dataclass
@@ -60,7 +66,11 @@ class TrainArgs:
 
     data: tuple[Path, ...] = ()
     """dataset files (HDF5, `groundflow collect`)"""
-    policy: Literal["flow", "ar"] = "flow"
+    recipe: str = ""
+    """named defaults (train/recipes.py): chunked (single task) or multitask (suites); flags given
+    beside it override"""
+    policy: Literal["flow", "ar", "mlp"] = "flow"
+    """flow (pi0-style), ar (RT-2-style) or mlp (the plain BC baseline, state only)"""
     size: str = "tiny"
     """tiny | small | base | large"""
     horizon: int = 16
@@ -68,6 +78,13 @@ class TrainArgs:
     n_exec: int = 8
     cameras: tuple[str, ...] = ()
     image_size: int = 64
+    fusion: Literal["late", "early"] = "late"
+    """late: state and instruction meet only in attention; early: the state encoder also reads the
+    instruction (see PolicyConfig.fusion)"""
+    state_hidden: int = 0
+    """hidden width of the state encoder (0: d_model)"""
+    lang_norm: bool = False
+    """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
     steps: int = 2000
     batch_size: int = 64
     """global batch size (split across data-parallel ranks)"""
@@ -102,7 +119,8 @@ class TrainArgs:
     progress: bool = True
 
 
-MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "instruction_dropout", "seed")
+MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "fusion", "state_hidden",
+                "lang_norm", "instruction_dropout", "seed")
 
 
 def _dist() -> tuple[int, int]:
@@ -167,10 +185,11 @@ def train(args: TrainArgs) -> dict[str, Any]:
     else:
         cfg = PolicyConfig(kind=args.policy, state_dim=data.state_dim, action_dim=data.action_dim,
                            horizon=args.horizon, n_exec=args.n_exec, size=args.size, cameras=tuple(args.cameras),
-                           image_size=args.image_size, instruction_dropout=args.instruction_dropout,
+                           image_size=args.image_size, fusion=args.fusion, state_hidden=args.state_hidden,
+                           lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
                            cfg_scale=args.cfg_scale)
         policy = make_policy(cfg)
-        policy.fit_normalizer(data.state, data.action)
+        policy.fit_normalizer(data.state, data.action, data.instructions)
     policy.config.cfg_scale = args.cfg_scale
     policy.lang.warm(data.instructions)
     cig = None
@@ -194,7 +213,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
     if args.resume:
         if not state_path.is_file():
             raise FileNotFoundError(f"--resume: no {state_path}")
-        st = torch.load(state_path, map_location=device, weights_only=False)
+        st = _load_train_state(state_path, device)
         changed = {k for k in MODEL_FIELDS if st["args"].get(k) != args_json.get(k)}
         if changed:
             raise ValueError(f"--resume with a changed config: {sorted(changed)} differ from the saved run")
@@ -205,6 +224,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
         step, history = st["step"], st["history"]
     elif rank == 0 and state_path.exists():
         raise FileExistsError(f"{out} already holds a run; use --resume to continue it or another --out")
+    saved_step = step if args.resume else None  # the step of the checkpoint in OUT/ckpt, if any
 
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         args.amp if args.amp != "auto" else ("bf16" if device.type == "cuda" else "none"))
@@ -237,8 +257,10 @@ def train(args: TrainArgs) -> dict[str, Any]:
             loss, metrics = model(batch, aux)
         if not torch.isfinite(loss):
             eps = sorted(set(data.episode[batch["index"]].tolist()))
-            raise FloatingPointError(f"non-finite loss {float(loss)} at step {step} on batch of episodes {eps} "
-                                     f"(indices {batch['index'][:8].tolist()}...); last checkpoint kept in {out}")
+            kept = (f"the checkpoint of step {saved_step} is kept in {out / 'ckpt'}" if saved_step is not None
+                    else f"no checkpoint was written (the first save is at step {min(args.save_every, args.steps)})")
+            raise TrainingDivergedError(f"non-finite loss {float(loss.detach())} at step {step} on batch of episodes "
+                                        f"{eps} (indices {batch['index'][:8].tolist()}...); {kept}")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
@@ -261,10 +283,13 @@ def train(args: TrainArgs) -> dict[str, Any]:
         bar.update(1)
         if rank == 0 and args.eval_every and step % args.eval_every == 0 and args.eval_episodes:
             summary["eval"] = _evaluate(ema or policy, data.env_id, args)
+            summary.setdefault("eval_curve", []).append(  # the learning curve in closed loop
+                {"step": step, "success_rate": summary["eval"]["success_rate"], "ci95": summary["eval"]["ci95"]})
             logger.log({"eval/success_rate": summary["eval"]["success_rate"]}, step)
             policy.train()
         if rank == 0 and (step % args.save_every == 0 or step == args.steps):
             _save(out, policy, ema, opt, step, history, args_json, meta_extra)
+            saved_step = step
     bar.close()
     dt = time.time() - t_start
     summary.update(steps=step, final_loss=float(np.mean([h["loss"] for h in history[-20:]])) if history else None,
@@ -287,6 +312,24 @@ def _evaluate(policy, env_id: str, args: TrainArgs) -> dict[str, Any]:
     res = evaluate(policy, args.eval_env or env_id, args.eval_episodes, seed=10_000, env_options=opts,
                    progress=False)
     return res.to_dict()
+
+
+def _load_train_state(path: Path, device: torch.device) -> dict[str, Any]:
+    """``train_state.pt`` without running code: weights_only unpickling admits only tensors and
+    plain containers (all _save writes), so a crafted file is refused instead of executed."""
+    try:
+        st = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = next((ln.split("error:", 1)[-1].split(". ")[0].strip() for ln in str(e).splitlines()
+                     if "Unsupported" in ln), "not tensors and plain containers")
+        raise CheckpointError(f"{path}: refusing to unpickle it (crafted, or not written by groundflow train): "
+                              f"{what}") from e
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable (truncated or corrupt?): {str(e).split('. ')[0]}") from e
+    missing = [k for k in ("model", "opt", "step", "history", "args") if not isinstance(st, dict) or k not in st]
+    if missing:
+        raise CheckpointError(f"{path} is not a groundflow training state (lacks {missing})")
+    return st
 
 
 def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra) -> None:

@@ -35,6 +35,9 @@ class EvalResult:
     per_instruction: dict[str, dict[str, Any]] = field(default_factory=dict)
     other_task: int = 0
     seconds: float = 0.0
+    confusion: dict[str, dict[str, int]] = field(default_factory=dict)
+    """suites: commanded instruction -> what the episode ended with (the commanded task on success,
+    else the first task the final scene satisfies, else "none") -> count"""
 
     @property
     def success_rate(self) -> float:
@@ -45,7 +48,7 @@ class EvalResult:
         return {"env_id": self.env_id, "episodes": self.episodes, "successes": self.successes,
                 "success_rate": self.success_rate, "ci95": [lo, hi],
                 "did_other_task_rate": self.other_task / max(self.episodes, 1),
-                "per_instruction": self.per_instruction, "seconds": self.seconds}
+                "per_instruction": self.per_instruction, "confusion": self.confusion, "seconds": self.seconds}
 
 
 def rollout(policy: Any, env: Any, seed: int, options: dict | None = None,
@@ -56,7 +59,7 @@ def rollout(policy: Any, env: Any, seed: int, options: dict | None = None,
     if instruction is not None:
         obs["instruction"] = instruction
     policy.reset()
-    success, other = False, False
+    success, other, done = False, False, None
     for _ in range(env.max_episode_steps):
         a = (act or policy.select_action)(obs)
         obs, r, term, trunc, info = env.step(a)
@@ -72,7 +75,8 @@ def rollout(policy: Any, env: Any, seed: int, options: dict | None = None,
             other = True
         if trunc or term:
             break
-    return {"success": success, "other_task": other and not success}
+    final = [] if done is None else [int(i) for i in np.flatnonzero(np.asarray(done))]
+    return {"success": success, "other_task": other and not success, "completed_at_end": final}
 
 
 def _frame(env: Any, obs: dict) -> np.ndarray:
@@ -104,6 +108,11 @@ def evaluate(policy: Any, env_id: str, episodes: int = 20, seed: int = 1000, env
         d = res.per_instruction.setdefault(instr, {"episodes": 0, "successes": 0})
         d["episodes"] += 1
         d["successes"] += int(out["success"])
+        if suite is not None:
+            end = instr if out["success"] else (
+                suite.tasks[out["completed_at_end"][0]].instruction if out["completed_at_end"] else "none")
+            row = res.confusion.setdefault(instr, {})
+            row[end] = row.get(end, 0) + 1
         if frames:
             _write_video(video_dir / f"episode_{i:03d}.mp4", frames)
     for d in res.per_instruction.values():
@@ -137,6 +146,8 @@ class EvalArgs:
     episodes: int = 20
     seed: int = 1000
     layout: str | None = None
+    instructions: tuple[str, ...] = ()
+    """suites: evaluate on these instructions only (default: all of the suite's)"""
     videos: int = 0
     """record this many episodes as mp4 under --out"""
     out: Path | None = None
@@ -157,7 +168,7 @@ def eval_command(argv: list[str]) -> None:
     if cams:
         opts.update(cameras=cams, image_size=meta.get("extra", {}).get("env_image_size", policy.config.image_size))
     out = args.out or (Path(args.ckpt) / f"eval_{env_id.replace('/', '_')}.json")
-    res = evaluate(policy, env_id, args.episodes, args.seed, opts,
+    res = evaluate(policy, env_id, args.episodes, args.seed, opts, instructions=list(args.instructions) or None,
                    video_dir=out.parent / "videos" if args.videos else None, n_videos=args.videos)
     d = res.to_dict()
     out.parent.mkdir(parents=True, exist_ok=True)

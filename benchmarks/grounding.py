@@ -1,0 +1,338 @@
+"""Policies that follow the instruction: competent multi-instruction BC first, then the grounding
+methods measured where only the instruction says what to do.
+
+Competence: per suite x family (flow, ar, mlp) the ``multitask`` recipe (train/recipes.py) on
+random-layout demos of every instruction; success on fresh random layouts with a 95% Wilson CI,
+the commanded-vs-completed confusion matrix and the closed-loop learning curve. Ablation (tabletop
+flow): how the instruction meets the scene (late vs early fusion, centred language) and the chunk
+(H, n_exec), everything else the recipe's.
+
+Protocols (train/grounding_eval.py), on the recipe: P1 random layouts, P2 shortcut data (the
+layout names the task with probability rho in training; random-layout test), P3 swap, P4
+mid-episode switch, P5 unseen paraphrases, for BC, BC + CFG, CIG (continuation, variants),
+counterfactual relabeling (extra expert labels: an upper bound) and a training-free dual-branch
+contrast. Writes benchmarks/results/grounding.json / .md / _confusion.png after every model, so a
+partial run keeps what it measured; trained runs are reused from --runs.
+
+    .venv/bin/python benchmarks/grounding.py --part competence --suites tabletop kitchen
+    .venv/bin/python benchmarks/grounding.py --part ablation
+    .venv/bin/python benchmarks/grounding.py --part protocols --suites tabletop --families flow
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, RESULTS, ROOT, machine, md_table  # noqa: E402
+
+import tyro  # noqa: E402
+
+import policies  # noqa: E402
+from envs.metrics import wilson  # noqa: E402
+from train.bc import CIGOptions, train  # noqa: E402
+from train.collect import CollectArgs, collect  # noqa: E402
+from train.evaluate import evaluate  # noqa: E402
+from train.recipes import recipe_args  # noqa: E402
+
+SUITES = {"tabletop": "maniskill/TabletopSuite-v1", "kitchen": "robosuite/KitchenSuite"}
+DEMOS = {"tabletop": 1200, "kitchen": 600}
+ABLATION = {  # name -> overrides of the multitask recipe (tabletop, flow)
+    "late_fusion_H1": {"fusion": "late", "lang_norm": False},
+    "early_fusion_H1": {"lang_norm": False},
+    "early_fusion_langnorm_H1 (recipe)": {},
+    "recipe_H4_exec2": {"horizon": 4, "n_exec": 2},
+    "recipe_H16_exec8": {"horizon": 16, "n_exec": 8},
+    "late_fusion_H16_exec8 (old default)": {"fusion": "late", "lang_norm": False, "horizon": 16, "n_exec": 8,
+                                            "state_hidden": 0, "batch_size": 64, "lr": 3e-4},
+}
+METHODS = ("bc", "cig_detached_continuation", "dual_branch", "relabel", "bc_cfg", "cig_full_continuation")
+
+
+@dataclass
+class Args:
+    part: Literal["competence", "ablation", "protocols"] = "competence"
+    suites: tuple[str, ...] = ("tabletop",)
+    families: tuple[str, ...] = ("flow", "ar", "mlp")
+    methods: tuple[str, ...] = METHODS
+    seeds: tuple[int, ...] = (0,)
+    """training seeds (the issue asks for 3; each costs a full training run)"""
+    steps: int | None = None
+    """training steps (default: the recipe's)"""
+    episodes: int = 60
+    """competence / ablation evaluation episodes (random layouts, instructions in turn)"""
+    curve_every: int = 3000
+    curve_episodes: int = 24
+    protocol_episodes: int = 24
+    swap_seeds: int = 2
+    rho: float = 0.9
+    p2_methods: tuple[str, ...] = ("bc", "cig_detached_continuation", "dual_branch")
+    """methods also trained on the shortcut data (P2); each costs a training run"""
+    cig_steps: int = 2000
+    relabel_k: int = 2
+    dual_weight: float = 1.0
+    cfg_scale: float = 2.0
+    runs: Path = ROOT / "runs" / "grounding"
+    results: str = "grounding"
+    """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
+    merge: tuple[str, ...] = ()
+    """only merge these result stems into --results (and rewrite its table and plot)"""
+
+
+def _demos(suite: str, n: int, layout: str = "random", rho: float = 1.0) -> Path:
+    tag = layout if rho == 1.0 else f"{layout}-rho{rho}"
+    path = DATA / f"{suite}_{tag}_{n}.h5"
+    if not path.exists():
+        collect(CollectArgs(suite=suite, episodes=n, layout=layout, out=path, seed=0, progress=False,
+                            env_options={"layout_rho": rho} if rho != 1.0 else {}))
+    return path
+
+
+def _train(a: Args, out: Path, **kw: Any) -> dict[str, Any]:
+    """Train (or reuse a finished run in ``out``) with the multitask recipe plus ``kw``."""
+    summary = out / "summary.json"
+    if summary.exists():
+        return json.loads(summary.read_text())
+    if out.exists():  # an unfinished earlier run: start over
+        import shutil
+        shutil.rmtree(out)
+    if a.steps and "steps" not in kw:
+        kw["steps"] = a.steps
+    args = recipe_args("multitask", out=out, wandb="disabled", progress=False, save_every=10**9, **kw)
+    s = train(args)
+    s["train_minutes"] = s["seconds"] / 60
+    summary.write_text(json.dumps({k: v for k, v in s.items() if k != "history"}, indent=2, default=str))
+    return json.loads(summary.read_text())
+
+
+def _rate(k: int, n: int) -> dict[str, Any]:
+    return {"success": k / max(n, 1), "ci95": list(wilson(k, n)), "episodes": n}
+
+
+def _p1(policy: Any, suite: str, episodes: int, seed: int = 50_000) -> dict[str, Any]:
+    res = evaluate(policy, SUITES[suite], episodes, seed=seed, env_options={"layout": "random"}, progress=False)
+    d = res.to_dict()
+    return {**_rate(res.successes, res.episodes), "did_other_task": d["did_other_task_rate"],
+            "confusion": d["confusion"], "per_instruction": {k: v["success_rate"] for k, v in d["per_instruction"].items()}}
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(a: Args, res: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{a.results}.json"
+    res["machine"] = machine()
+    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(res, indent=2))
+    os.replace(tmp, path)
+    (RESULTS / f"{a.results}.md").write_text(_table(res))
+    _plot(res, RESULTS / f"{a.results}_confusion.png")
+
+
+def competence(a: Args, res: dict[str, Any]) -> None:
+    for suite in a.suites:
+        data = _demos(suite, DEMOS[suite])
+        for fam in a.families:
+            for seed in a.seeds:
+                out = a.runs / f"{suite}_{fam}_recipe_s{seed}"
+                t0 = time.time()
+                s = _train(a, out, policy=fam, data=(data,), seed=seed, eval_every=a.curve_every,
+                           eval_episodes=a.curve_episodes)
+                row = _p1(policies.load(out / "ckpt"), suite, a.episodes)
+                row.update(train_minutes=s.get("train_minutes", (time.time() - t0) / 60), recipe="multitask",
+                           demos=DEMOS[suite], steps=s["steps"], seed=seed, final_loss=s["final_loss"],
+                           learning_curve=s.get("eval_curve", []))
+                res.setdefault("competence", {}).setdefault(suite, {})[fam] = row
+                print(f"[competence] {suite} {fam}: {row['success']:.2f} {row['ci95']}", flush=True)
+                _save(a, res)
+
+
+def ablation(a: Args, res: dict[str, Any]) -> None:
+    data = _demos("tabletop", DEMOS["tabletop"])
+    for name, kw in ABLATION.items():
+        out = a.runs / ("ablation_" + name.split(" ")[0])
+        s = _train(a, out, policy="flow", data=(data,), **kw)
+        row = _p1(policies.load(out / "ckpt"), "tabletop", a.episodes)
+        row.update(train_minutes=s.get("train_minutes"), steps=s["steps"], final_loss=s["final_loss"], overrides=kw)
+        res.setdefault("ablation", {})[name] = row
+        print(f"[ablation] {name}: {row['success']:.2f}", flush=True)
+        _save(a, res)
+
+
+def protocols(a: Args, res: dict[str, Any]) -> None:
+    from policies.dual_branch import DualBranchFlow
+    from train.grounding_eval import evaluate_protocols
+    from train.relabel import RelabelArgs, relabel
+    for suite in a.suites:
+        data = _demos(suite, DEMOS[suite])
+        shortcut = _demos(suite, DEMOS[suite], layout="correlated", rho=a.rho) if a.p2_methods else None
+        for fam in a.families:
+            for method in a.methods:
+                for seed in a.seeds:
+                    rows = {}
+                    conds = [("random", data)] + ([(f"rho{a.rho}", shortcut)] if method in a.p2_methods else [])
+                    for cond, d in conds:
+                        ckpt = _method_ckpt(a, suite, fam, method, seed, cond, d, relabel, RelabelArgs)
+                        if ckpt is None:
+                            continue
+                        pol = policies.load(ckpt)
+                        if method == "dual_branch":
+                            pol = DualBranchFlow(pol, weight=a.dual_weight)
+                        if cond == "random":
+                            ev = evaluate_protocols(pol, suite, episodes=a.protocol_episodes, swap_seeds=a.swap_seeds)
+                            rows = {k: ev["summary"][k] for k in ev["summary"]}
+                        else:
+                            p2 = _p1(pol, suite, a.protocol_episodes, seed=60_000)
+                            rows["p2_success"] = {"rate": p2["success"], "ci95": p2["ci95"], "n": p2["episodes"]}
+                            rows["p2_did_other_task"] = p2["did_other_task"]
+                    key = f"{method}" if len(a.seeds) == 1 else f"{method}_s{seed}"
+                    res.setdefault("protocols_raw", {}).setdefault(suite, {}).setdefault(fam, {})[key] = rows
+                    _aggregate(res)
+                    print(f"[protocols] {suite} {fam} {method} s{seed}: " + json.dumps(
+                        {k: round(v["rate"], 2) for k, v in rows.items() if isinstance(v, dict) and "rate" in v}), flush=True)
+                    _save(a, res)
+
+
+def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: str, data: Path, relabel, RelabelArgs):
+    """Train what ``method`` needs on ``data`` (reusing runs) and return its checkpoint."""
+    base = a.runs / f"{suite}_{fam}_recipe_s{seed}" if cond == "random" else a.runs / f"{suite}_{fam}_{cond}_s{seed}"
+    _train(a, base, policy=fam, data=(data,), seed=seed)
+    if method in ("bc", "dual_branch"):
+        if method == "dual_branch" and fam != "flow":
+            return None
+        return base / "ckpt"
+    out = a.runs / f"{suite}_{fam}_{cond}_{method}_s{seed}"
+    if method == "bc_cfg":
+        _train(a, out, policy=fam, data=(data,), seed=seed, instruction_dropout=0.1, cfg_scale=a.cfg_scale)
+    elif method.startswith("cig_"):
+        variant = method.split("_")[1]
+        _train(a, out, policy=fam, data=(data,), seed=seed, init_from=base / "ckpt", steps=a.cig_steps,
+               warmup_steps=0, cig=CIGOptions(weight=1.0, variant=variant, negatives=3, draws=2, batch=64))
+    elif method == "relabel":
+        rel = DATA / f"{data.stem}_relabel_k{a.relabel_k}.h5"
+        if not rel.exists():
+            relabel(RelabelArgs(data=data, out=rel, k=a.relabel_k, frames_per_episode=4, horizon=1, progress=False))
+        _train(a, out, policy=fam, data=(rel,), seed=seed)
+    else:
+        raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+    return out / "ckpt"
+
+
+def _aggregate(res: dict[str, Any]) -> None:
+    """The issue's schema: protocols -> P -> suite -> family -> method -> {success, ci95, seeds,
+    in_distribution} (in_distribution: P1 success of the same method trained on random layouts)."""
+    out: dict[str, Any] = {}
+    names = {"P1": "p1_success", "P2_rho0.9": "p2_success", "P3": "p3_swap", "P4": "p4_switch", "P5": "p5_paraphrase"}
+    for suite, fams in res.get("protocols_raw", {}).items():
+        for fam, methods in fams.items():
+            for method, rows in methods.items():
+                for p, k in names.items():
+                    if k in rows:
+                        out.setdefault(p, {}).setdefault(suite, {}).setdefault(fam, {})[method] = {
+                            "success": rows[k]["rate"], "ci95": rows[k]["ci95"], "seeds": 1, "episodes": rows[k]["n"],
+                            "in_distribution": rows.get("p1_success", {}).get("rate")}
+    res["protocols"] = out
+
+
+def _deep_update(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict) and k not in ("confusion",):
+            _deep_update(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = ["# Grounding benchmark", ""]
+    comp = res.get("competence", {})
+    if comp:
+        lines += ["## Competence: multitask recipe, random layouts, every instruction", ""]
+        rows = []
+        for suite, fams in comp.items():
+            for fam, r in fams.items():
+                curve = " ".join(f"{c['step'] // 1000}k:{c['success_rate']:.2f}" for c in r.get("learning_curve", []))
+                rows.append([suite, fam, f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", r["episodes"],
+                             f"{r['did_other_task']:.2f}", r.get("demos"), r.get("steps"), f"{r['train_minutes']:.1f}", curve])
+        lines += [md_table(["suite", "policy", "success [95% CI]", "episodes", "did another task", "demos", "steps",
+                            "train min", "learning curve (step: success)"], rows), ""]
+        for suite, fams in comp.items():
+            for fam, r in fams.items():
+                lines += [f"Per instruction, {suite} {fam}: " + ", ".join(
+                    f"{k}: {v:.2f}" for k, v in sorted(r.get("per_instruction", {}).items())), ""]
+    abl = res.get("ablation", {})
+    if abl:
+        lines += ["## Ablation (tabletop, flow, 12 instructions, random layouts)", ""]
+        lines += [md_table(["configuration", "success [95% CI]", "did another task", "final loss", "train min"], [
+            [k, f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", f"{r['did_other_task']:.2f}",
+             f"{r['final_loss']:.4f}", f"{(r.get('train_minutes') or 0):.1f}"] for k, r in abl.items()]), ""]
+    raw = res.get("protocols_raw", {})
+    if raw:
+        lines += ["## Protocols (random-layout tests; P2 trained with the layout naming the task at rho)", ""]
+        keys = [("p1_success", "P1"), ("p1_did_other_task", "P1 other"), ("p2_success", "P2"), ("p3_swap", "P3 swap"),
+                ("p4_switch", "P4 switch"), ("p5_paraphrase", "P5 paraphrase")]
+        rows = []
+        for suite, fams in raw.items():
+            for fam, methods in fams.items():
+                for m, r in methods.items():
+                    cells = []
+                    for k, _ in keys:
+                        v = r.get(k)
+                        cells.append("-" if v is None else f"{v['rate']:.2f}" if isinstance(v, dict) else f"{v:.2f}")
+                    rows.append([suite, fam, m] + cells)
+        lines += [md_table(["suite", "policy", "method"] + [n for _, n in keys], rows), ""]
+    lines += [f"Machine: {res.get('machine')}", ""]
+    return "\n".join(lines)
+
+
+def _plot(res: dict[str, Any], path: Path) -> None:
+    comp = [(s, f, r) for s, fams in res.get("competence", {}).items() for f, r in fams.items() if r.get("confusion")]
+    if not comp:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    fig, axes = plt.subplots(1, len(comp), figsize=(5.2 * len(comp), 5), squeeze=False)
+    for ax, (suite, fam, r) in zip(axes[0], comp):
+        rows = sorted(r["confusion"])
+        cols = rows + ["none"]
+        m = np.array([[r["confusion"][i].get(c, 0) for c in cols] for i in rows], float)
+        m /= m.sum(1, keepdims=True).clip(min=1)
+        ax.imshow(m, vmin=0, vmax=1, cmap="Blues")
+        short = [c.replace("the ", "").replace(" cube", "").replace("push ", "").replace(" goal", "") for c in cols]
+        ax.set_xticks(range(len(cols)), short, rotation=90, fontsize=6)
+        ax.set_yticks(range(len(rows)), short[:-1], fontsize=6)
+        ax.set_title(f"{suite} {fam}: {r['success']:.2f}", fontsize=9)
+        ax.set_xlabel("what the episode ended with", fontsize=7)
+        ax.set_ylabel("commanded", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    a = tyro.cli(Args)
+    bad = [s for s in a.suites if s not in SUITES]
+    if bad:
+        raise SystemExit(f"unknown suites {bad}; known: {list(SUITES)}")
+    res = _load(RESULTS / f"{a.results}.json")
+    if a.merge:
+        for stem in a.merge:
+            for key, part in _load(RESULTS / f"{stem}.json").items():
+                if isinstance(part, dict) and key != "machine":
+                    _deep_update(res.setdefault(key, {}), part)
+        _aggregate(res)
+        return _save(a, res)
+    {"competence": competence, "ablation": ablation, "protocols": protocols}[a.part](a, res)
+
+
+if __name__ == "__main__":
+    main()
