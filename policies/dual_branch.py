@@ -27,8 +27,8 @@ import torch
 
 from envs.errors import InvalidOptionError
 from envs.suite import normalize
-from policies.flow import FlowMatchingVLA
-from policies.model import NULL_INSTRUCTION
+from policies.flow import FlowMatchingVLA, _expand
+from policies.model import NULL_INSTRUCTION, VLAModel
 
 
 class DualBranchFlow:
@@ -109,7 +109,7 @@ class DualBranchFlow:
                                      "instructions from the contrast set; sample them one at a time")
         if w != 0.0:
             rep = {k: v for k, v in batch.items() if k in ("state", "images")}
-            flat = _repeat(rep, K)
+            flat = _expand(rep, K)
             flat["instruction"] = [l for o in others for l in o]
             mprefix, mpad = p.prefix(flat)
 
@@ -124,33 +124,10 @@ class DualBranchFlow:
         x0 = torch.randn(B, c.horizon, c.action_dim, device=p.device) if noise is None else noise.to(p.device)
         return sample(velocity, x0, n_steps=n_steps or c.flow_steps, guide=guide, return_stats=return_stats)
 
-    def predict_action_chunk(self, obs: dict[str, Any], **sampling: Any) -> np.ndarray:
-        """One (H, A) chunk in env units for one observation."""
-        p = self.policy
-        p.eval()
-        with torch.no_grad():
-            a = self.sample_chunks(p.obs_to_batch(obs), **sampling)
-        return p.normalizer.unaction(a)[0].cpu().numpy().astype(np.float32)
-
-    def select_action(self, obs: dict[str, Any]) -> np.ndarray:
-        """Serve the chunk step by step; re-plan every ``n_exec`` steps."""
-        if not self._queue:
-            self._queue = list(self.predict_action_chunk(obs)[: self.config.n_exec])
-        return self._queue.pop(0)
+    # the policy's own chunk serving, over this sampler (eval/obs_to_batch/normalizer delegate)
+    predict_action_chunk = VLAModel.predict_action_chunk
+    select_action = VLAModel.select_action
 
     def reset(self) -> None:
         self._queue = []
         self.policy.reset()
-
-
-def _repeat(batch: dict[str, Any], n: int) -> dict[str, Any]:
-    """Repeat each sample ``n`` times (sample-major), numpy or torch."""
-    out: dict[str, Any] = {}
-    for k, v in batch.items():
-        if isinstance(v, dict):
-            out[k] = _repeat(v, n)
-        elif torch.is_tensor(v):
-            out[k] = v.repeat_interleave(n, 0)
-        else:
-            out[k] = np.repeat(np.asarray(v), n, axis=0)
-    return out
