@@ -32,6 +32,7 @@ from typing import Any, Literal
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, RESULTS, ROOT, machine, md_table  # noqa: E402
 
+import torch  # noqa: E402
 import tyro  # noqa: E402
 
 import policies  # noqa: E402
@@ -72,6 +73,8 @@ class Args:
     protocol_episodes: int = 24
     swap_seeds: int = 2
     rho: float = 0.9
+    ablations: tuple[str, ...] = ()
+    """ablation configurations to run (default: all of ABLATION; names up to the first space)"""
     p2_methods: tuple[str, ...] = ("bc", "cig_detached_continuation", "dual_branch")
     """methods also trained on the shortcut data (P2); each costs a training run"""
     cig_steps: int = 2000
@@ -82,7 +85,8 @@ class Args:
     results: str = "grounding"
     """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
     merge: tuple[str, ...] = ()
-    """only merge these result stems into --results (and rewrite its table and plot)"""
+    """only merge these result stems into --results (and rewrite its table and plot); STEM:SECTION files
+    the stem's competence rows under SECTION (e.g. runs at another budget)"""
 
 
 def _demos(suite: str, n: int, layout: str = "random", rho: float = 1.0) -> Path:
@@ -116,6 +120,7 @@ def _rate(k: int, n: int) -> dict[str, Any]:
 
 
 def _p1(policy: Any, suite: str, episodes: int, seed: int = 50_000) -> dict[str, Any]:
+    torch.manual_seed(seed)  # the flow sampler's noise: the same evaluation twice gives the same numbers
     res = evaluate(policy, SUITES[suite], episodes, seed=seed, env_options={"layout": "random"}, progress=False)
     d = res.to_dict()
     return {**_rate(res.successes, res.episodes), "did_other_task": d["did_other_task_rate"],
@@ -157,7 +162,12 @@ def competence(a: Args, res: dict[str, Any]) -> None:
 
 def ablation(a: Args, res: dict[str, Any]) -> None:
     data = _demos("tabletop", DEMOS["tabletop"])
+    unknown = set(a.ablations) - {n.split(" ")[0] for n in ABLATION}
+    if unknown:
+        raise SystemExit(f"unknown ablations {sorted(unknown)}; known: {[n.split(' ')[0] for n in ABLATION]}")
     for name, kw in ABLATION.items():
+        if a.ablations and name.split(" ")[0] not in a.ablations:
+            continue
         out = a.runs / ("ablation_" + name.split(" ")[0])
         s = _train(a, out, policy="flow", data=(data,), **kw)
         row = _p1(policies.load(out / "ckpt"), "tabletop", a.episodes)
@@ -187,6 +197,7 @@ def protocols(a: Args, res: dict[str, Any]) -> None:
                         if method == "dual_branch":
                             pol = DualBranchFlow(pol, weight=a.dual_weight)
                         if cond == "random":
+                            torch.manual_seed(seed)
                             ev = evaluate_protocols(pol, suite, episodes=a.protocol_episodes, swap_seeds=a.swap_seeds)
                             rows = {k: ev["summary"][k] for k in ev["summary"]}
                         else:
@@ -267,6 +278,13 @@ def _table(res: dict[str, Any]) -> str:
             for fam, r in fams.items():
                 lines += [f"Per instruction, {suite} {fam}: " + ", ".join(
                     f"{k}: {v:.2f}" for k, v in sorted(r.get("per_instruction", {}).items())), ""]
+    for sec in sorted(k for k in res if k.startswith("competence_")):
+        lines += [f"## {sec}: the same recipe at another budget", ""]
+        lines += [md_table(["suite", "policy", "success [95% CI]", "episodes", "steps", "train min", "learning curve"], [
+            [suite, fam, f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", r["episodes"], r.get("steps"),
+             f"{r['train_minutes']:.1f}",
+             " ".join(f"{c['step'] // 1000}k:{c['success_rate']:.2f}" for c in r.get("learning_curve", []))]
+            for suite, fams in res[sec].items() for fam, r in fams.items()]), ""]
     abl = res.get("ablation", {})
     if abl:
         lines += ["## Ablation (tabletop, flow, 12 instructions, random layouts)", ""]
@@ -325,10 +343,11 @@ def main() -> None:
         raise SystemExit(f"unknown suites {bad}; known: {list(SUITES)}")
     res = _load(RESULTS / f"{a.results}.json")
     if a.merge:
-        for stem in a.merge:
+        for item in a.merge:  # STEM, or STEM:SECTION to file a stem's competence under another section
+            stem, _, section = item.partition(":")
             for key, part in _load(RESULTS / f"{stem}.json").items():
                 if isinstance(part, dict) and key != "machine":
-                    _deep_update(res.setdefault(key, {}), part)
+                    _deep_update(res.setdefault(section if (section and key == "competence") else key, {}), part)
         _aggregate(res)
         return _save(a, res)
     {"competence": competence, "ablation": ablation, "protocols": protocols}[a.part](a, res)

@@ -42,7 +42,7 @@ class DemoArgs:
     """BC steps of the multitask recipe (batch 256); the benchmark's competent runs use 12000"""
     cig_steps: int = 500
     cig_weight: float = 1.0
-    cig_variant: str = "detached"
+    cig_variant: str = "bounded"
     """full | detached | bounded | pmi (benchmarks/grounding.py compares them)"""
     eval_episodes: int = 24
     collision_demos: int = 120

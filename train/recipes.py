@@ -13,9 +13,9 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         {}),
     "multitask": (
         "multi-instruction suites: the state encoder reads the centred instruction feature (early "
-        "fusion + lang_norm) and the policy acts every step (H=1); 12k steps of 256 samples",
+        "fusion + lang_norm) and the policy acts every step (H=1); 24k steps of 256 samples (tabletop: 0.70 at 12k, 0.93 at 24k)",
         {"fusion": "early", "lang_norm": True, "state_hidden": 256, "horizon": 1, "n_exec": 1,
-         "batch_size": 256, "lr": 1e-3, "steps": 12000}),
+         "batch_size": 256, "lr": 1e-3, "steps": 24000}),
 }
 
 
