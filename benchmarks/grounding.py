@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -104,7 +105,6 @@ def _train(a: Args, out: Path, **kw: Any) -> dict[str, Any]:
     if summary.exists():
         return json.loads(summary.read_text())
     if out.exists():  # an unfinished earlier run: start over
-        import shutil
         shutil.rmtree(out)
     if a.steps and "steps" not in kw:
         kw["steps"] = a.steps

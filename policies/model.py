@@ -121,7 +121,7 @@ class VLAModel(nn.Module):
             masks.append(torch.zeros(B, itok.shape[1], dtype=torch.bool, device=dev))
         s_in = self.normalizer.state(state)
         if self.config.fusion == "early":
-            s_in = torch.cat([s_in, self._pooled(feats.to(dev), lmask, drop_lang)], -1)
+            s_in = torch.cat([s_in, self._pooled(feats, lmask, drop_lang)], -1)
         stok = self.state_proj(s_in)[:, None] + self.type_emb[2]
         toks.append(stok)
         masks.append(torch.zeros(B, 1, dtype=torch.bool, device=dev))
@@ -237,16 +237,23 @@ class VLAModel(nn.Module):
         return out
 
 
+def _resolve_checkpoint(d: Path, warn: bool = False) -> Path:
+    """``d``, or ``d.old`` when ``d`` is missing because a save() was interrupted between its two
+    renames (the previous version is complete there)."""
+    old = d.with_name(d.name + ".old")
+    if not d.exists() and (old / "config.json").is_file():
+        if warn:
+            import warnings
+            warnings.warn(f"{d} is missing (a save was interrupted); loading the previous version {old}")
+        return old
+    return d
+
+
 def read_checkpoint_meta(directory: str | os.PathLike) -> dict:
     """The checkpoint's config.json; ``DIR.old`` when ``DIR`` is missing because a save() was
     interrupted between its two renames (the previous version is complete there)."""
-    import warnings
     from envs.errors import CheckpointError
-    d = Path(directory)
-    old = d.with_name(d.name + ".old")
-    if not d.exists() and (old / "config.json").is_file():
-        warnings.warn(f"{d} is missing (a save was interrupted); loading the previous version {old}")
-        d = old
+    d = _resolve_checkpoint(Path(directory), warn=True)
     cfg = d / "config.json"
     if not cfg.is_file():
         raise FileNotFoundError(f"{d} is not a groundflow checkpoint (no config.json)")
@@ -266,10 +273,7 @@ def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> V
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     from envs.errors import CheckpointError
-    d = Path(directory)
-    old = d.with_name(d.name + ".old")
-    if not d.exists() and (old / "config.json").is_file():  # as read_checkpoint_meta: an interrupted save
-        d = old
+    d = _resolve_checkpoint(Path(directory))
     path = d / "model.safetensors"
     try:
         weights = load_file(str(path))
