@@ -54,7 +54,8 @@ ABLATION = {  # name -> overrides of the multitask recipe (tabletop, flow)
     "late_fusion_H16_exec8 (old default)": {"fusion": "late", "lang_norm": False, "horizon": 16, "n_exec": 8,
                                             "state_hidden": 0, "batch_size": 64, "lr": 3e-4},
 }
-METHODS = ("bc", "cig_detached_continuation", "dual_branch", "relabel", "bc_cfg", "cig_full_continuation")
+METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "relabel", "bc_cfg",
+           "cig_detached_continuation", "cig_full_continuation", "cig_pmi_continuation", "cig_bounded_joint")
 
 
 @dataclass
@@ -76,9 +77,13 @@ class Args:
     rho: float = 0.9
     ablations: tuple[str, ...] = ()
     """ablation configurations to run (default: all of ABLATION; names up to the first space)"""
-    p2_methods: tuple[str, ...] = ("bc", "cig_detached_continuation", "dual_branch")
+    p2_methods: tuple[str, ...] = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch")
     """methods also trained on the shortcut data (P2); each costs a training run"""
     cig_steps: int = 2000
+    """continuation steps from the BC checkpoint (CIG continuation, and bc_continuation: the same
+    extra steps without the CIG term, so every continuation row has equal compute)"""
+    cont_lr: float = 3e-4
+    """peak learning rate of continuations (the base run's cosine schedule ended near 0)"""
     relabel_k: int = 2
     dual_weight: float = 1.0
     cfg_scale: float = 2.0
@@ -204,7 +209,7 @@ def protocols(a: Args, res: dict[str, Any]) -> None:
                             p2 = _p1(pol, suite, a.protocol_episodes, seed=60_000)
                             rows["p2_success"] = {"rate": p2["success"], "ci95": p2["ci95"], "n": p2["episodes"]}
                             rows["p2_did_other_task"] = p2["did_other_task"]
-                    key = f"{method}" if len(a.seeds) == 1 else f"{method}_s{seed}"
+                    key = f"{method}_s{seed}"
                     res.setdefault("protocols_raw", {}).setdefault(suite, {}).setdefault(fam, {})[key] = rows
                     _aggregate(res)
                     print(f"[protocols] {suite} {fam} {method} s{seed}: " + json.dumps(
@@ -221,12 +226,20 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
             return None
         return base / "ckpt"
     out = a.runs / f"{suite}_{fam}_{cond}_{method}_s{seed}"
+    cont = dict(init_from=base / "ckpt", steps=a.cig_steps, warmup_steps=0, lr=a.cont_lr)
     if method == "bc_cfg":
         _train(a, out, policy=fam, data=(data,), seed=seed, instruction_dropout=0.1, cfg_scale=a.cfg_scale)
+    elif method == "bc_continuation":
+        _train(a, out, policy=fam, data=(data,), seed=seed, **cont)
     elif method.startswith("cig_"):
-        variant = method.split("_")[1]
-        _train(a, out, policy=fam, data=(data,), seed=seed, init_from=base / "ckpt", steps=a.cig_steps,
-               warmup_steps=0, cig=CIGOptions(weight=1.0, variant=variant, negatives=3, draws=2, batch=64))
+        _, variant, mode = method.split("_")
+        cig = CIGOptions(weight=1.0, variant=variant, negatives=3, draws=2, batch=64)
+        if mode == "continuation":
+            _train(a, out, policy=fam, data=(data,), seed=seed, cig=cig, **cont)
+        elif mode == "joint":  # from scratch with the CIG term all along (the recipe's steps)
+            _train(a, out, policy=fam, data=(data,), seed=seed, cig=cig)
+        else:
+            raise ValueError(f"unknown CIG mode in {method!r}: continuation or joint")
     elif method == "relabel":
         rel = DATA / f"{data.stem}_relabel_k{a.relabel_k}.h5"
         if not rel.exists():
@@ -237,19 +250,40 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
     return out / "ckpt"
 
 
+def _method_seed(key: str) -> tuple[str, int]:
+    """``bc_s2`` -> ("bc", 2); a key without a seed suffix (older single-seed runs) is seed 0."""
+    head, _, tail = key.rpartition("_s")
+    return (head, int(tail)) if head and tail.isdigit() else (key, 0)
+
+
 def _aggregate(res: dict[str, Any]) -> None:
     """The issue's schema: protocols -> P -> suite -> family -> method -> {success, ci95, seeds,
-    in_distribution} (in_distribution: P1 success of the same method trained on random layouts)."""
+    seed_sd, per_seed, episodes, in_distribution}. success is the mean over training seeds, ci95 the
+    Wilson interval of the pooled episodes, seed_sd the spread between seeds; in_distribution is
+    the P1 success (random-layout training and test) of the same method, seed mean."""
+    import numpy as np
     out: dict[str, Any] = {}
     names = {"P1": "p1_success", "P2_rho0.9": "p2_success", "P3": "p3_swap", "P4": "p4_switch", "P5": "p5_paraphrase"}
     for suite, fams in res.get("protocols_raw", {}).items():
         for fam, methods in fams.items():
-            for method, rows in methods.items():
+            by_method: dict[str, dict[int, dict[str, Any]]] = {}
+            for key, rows in methods.items():
+                m, seed = _method_seed(key)
+                by_method.setdefault(m, {})[seed] = rows
+            for m, seeds in by_method.items():
+                p1 = [r["p1_success"]["rate"] for r in seeds.values() if "p1_success" in r]
                 for p, k in names.items():
-                    if k in rows:
-                        out.setdefault(p, {}).setdefault(suite, {}).setdefault(fam, {})[method] = {
-                            "success": rows[k]["rate"], "ci95": rows[k]["ci95"], "seeds": 1, "episodes": rows[k]["n"],
-                            "in_distribution": rows.get("p1_success", {}).get("rate")}
+                    got = {sd: r[k] for sd, r in sorted(seeds.items()) if k in r}
+                    if not got:
+                        continue
+                    rates = [v["rate"] for v in got.values()]
+                    hits = sum(round(v["rate"] * v["n"]) for v in got.values())
+                    n = sum(v["n"] for v in got.values())
+                    out.setdefault(p, {}).setdefault(suite, {}).setdefault(fam, {})[m] = {
+                        "success": float(np.mean(rates)), "ci95": list(wilson(hits, n)), "seeds": len(got),
+                        "seed_sd": float(np.std(rates, ddof=1)) if len(rates) > 1 else None,
+                        "per_seed": {str(sd): v["rate"] for sd, v in got.items()}, "episodes": n,
+                        "in_distribution": float(np.mean(p1)) if p1 else None}
     res["protocols"] = out
 
 
@@ -291,21 +325,28 @@ def _table(res: dict[str, Any]) -> str:
         lines += [md_table(["configuration", "success [95% CI]", "did another task", "final loss", "train min"], [
             [k, f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", f"{r['did_other_task']:.2f}",
              f"{r['final_loss']:.4f}", f"{(r.get('train_minutes') or 0):.1f}"] for k, r in abl.items()]), ""]
-    raw = res.get("protocols_raw", {})
-    if raw:
-        lines += ["## Protocols (random-layout tests; P2 trained with the layout naming the task at rho)", ""]
-        keys = [("p1_success", "P1"), ("p1_did_other_task", "P1 other"), ("p2_success", "P2"), ("p3_swap", "P3 swap"),
-                ("p4_switch", "P4 switch"), ("p5_paraphrase", "P5 paraphrase")]
+    agg = res.get("protocols", {})
+    if agg:
+        lines += ["## Protocols (random-layout tests; P2 trained with the layout naming the task at rho 0.9)", "",
+                  "Mean over training seeds, ± the seed standard deviation, [95% Wilson CI of the pooled episodes];",
+                  "P1 is also the in-distribution figure (random-layout training and test).", ""]
+        ps = ["P1", "P2_rho0.9", "P3", "P4", "P5"]
         rows = []
-        for suite, fams in raw.items():
-            for fam, methods in fams.items():
-                for m, r in methods.items():
-                    cells = []
-                    for k, _ in keys:
-                        v = r.get(k)
-                        cells.append("-" if v is None else f"{v['rate']:.2f}" if isinstance(v, dict) else f"{v:.2f}")
-                    rows.append([suite, fam, m] + cells)
-        lines += [md_table(["suite", "policy", "method"] + [n for _, n in keys], rows), ""]
+        combos = {(su, fa, m) for p in ps for su, fams in agg.get(p, {}).items() for fa, ms in fams.items() for m in ms}
+        order = {m: i for i, m in enumerate(METHODS)}
+        for su, fa, m in sorted(combos, key=lambda c: (c[0], c[1], order.get(c[2], 99), c[2])):
+            cells, seeds = [], set()
+            for p in ps:
+                r = agg.get(p, {}).get(su, {}).get(fa, {}).get(m)
+                if r is None:
+                    cells.append("-")
+                    continue
+                seeds.add(r["seeds"])
+                sd = f" ±{r['seed_sd']:.2f}" if r.get("seed_sd") is not None else ""
+                cells.append(f"{r['success']:.2f}{sd} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]")
+            rows.append([su, fa, m, "/".join(str(x) for x in sorted(seeds))] + cells)
+        lines += [md_table(["suite", "policy", "method", "seeds", "P1", "P2 (rho 0.9)", "P3 swap", "P4 switch",
+                            "P5 paraphrase"], rows), ""]
     lines += [f"Machine: {res.get('machine')}", ""]
     return "\n".join(lines)
 
