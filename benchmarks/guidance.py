@@ -36,26 +36,33 @@ from guidance.testbed import (TESTBEDS, MLPVelocity, Testbed, importance_resampl
                               make_testbed, train_velocity)
 
 # name -> (method, options). "s2" is filled with the testbed's data variance where the Sigma_t
-# estimate needs it. Each coupled_* variant changes ONE thing of DESIGN.md's linear step
-# (coupled_linear); "coupled" is the library default (step="linesearch").
+# estimate needs it. "coupled" is the library default (Jacobian Sigma_t, linesearch step);
+# coupled_independent the previous default; the schedule/window/noise variants change ONE thing
+# of DESIGN.md's linear step (coupled_linear).
 _LIN = {"step": "linear"}
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
-    "coupled": ("coupled", {}),                                           # default: linesearch step
-    "coupled_linear": ("coupled", _LIN),                                  # DESIGN.md's step
+    "coupled": ("coupled", {}),                                           # default: Jacobian Sigma_t, linesearch
+    "coupled_renoise1": ("coupled", {"renoise": 1.0}),                    # default + DDIM-eta fresh noise (eta 1)
+    "coupled_independent": ("coupled", {"sigma": "independent"}),         # previous default (no backward pass)
+    "coupled_linear": ("coupled", {**_LIN, "sigma": "independent"}),      # DESIGN.md's step
     "coupled_identity": ("coupled", {**_LIN, "sigma": "identity"}),       # Sigma_t = 1
     "coupled_const0.25": ("coupled", {**_LIN, "sigma": 0.25}),            # Sigma_t = 0.25
-    "coupled_jacobian": ("coupled", {**_LIN, "sigma": "jacobian"}),       # Tweedie Sigma_t, 1 backward/step
+    "coupled_jacobian": ("coupled", {**_LIN, "sigma": "jacobian"}),       # Tweedie Sigma_t, plain linear step
+    "coupled_jacobian_trust": ("coupled", {"sigma": "jacobian", "step": "trust", "radius": 0.5}),
     "coupled_prox5": ("coupled", {"step": "prox", "inner_steps": 5}),     # converged prox
-    "coupled_trust": ("coupled", {"step": "trust", "radius": 0.5}),       # |step| <= 0.5
+    "coupled_trust": ("coupled", {"step": "trust", "radius": 0.5, "sigma": "independent"}),  # |step| <= 0.5
     "coupled_sampled": ("coupled", {"step": "sampled", "n_particles": 32}),  # tilted-posterior IS
-    "coupled_late": ("coupled", {**_LIN, "t_start": 0.3}),                # guidance only for t >= 0.3
-    "coupled_early": ("coupled", {**_LIN, "t_end": 0.7}),                 # guidance only for t < 0.7
-    "coupled_ramp": ("coupled", {**_LIN, "schedule": "linear"}),          # weight grows with t
-    "coupled_fixed_noise": ("coupled", {**_LIN, "noise_endpoint": "fixed"}),
+    "coupled_tilted_is": ("coupled", {"step": "tilted_is", "n_particles": 32}),  # IS around the line-search endpoint
+    "coupled_renoise0.6": ("coupled", {"renoise": 0.6}),                  # default + DDIM-eta 0.6
+    "coupled_sampled_renoise0.6": ("coupled", {"step": "sampled", "n_particles": 32, "renoise": 0.6}),
+    "coupled_late": ("coupled", {**_LIN, "sigma": "independent", "t_start": 0.3}),  # guidance only for t >= 0.3
+    "coupled_early": ("coupled", {**_LIN, "sigma": "independent", "t_end": 0.7}),   # guidance only for t < 0.7
+    "coupled_ramp": ("coupled", {**_LIN, "sigma": "independent", "schedule": "linear"}),  # weight grows with t
+    "coupled_fixed_noise": ("coupled", {**_LIN, "sigma": "independent", "noise_endpoint": "fixed"}),
     "velocity_gradient": ("velocity_gradient", {}),
     "state_gradient": ("state_gradient", {}),
-    "pnp_renoise": ("pnp_renoise", {}),                                   # linear endpoint step, fresh noise
+    "pnp_renoise": ("pnp_renoise", {"sigma": "independent"}),              # linear endpoint step, fresh noise
     "mc": ("mc", {}),
     "cfg": ("cfg", {}),
 }
@@ -68,8 +75,8 @@ class Args:
     """testbeds to run (guidance.testbed.TESTBEDS)"""
     configs: tuple[str, ...] = tuple(CONFIGS)
     """method configs to run (names of CONFIGS)"""
-    scales: tuple[float, ...] = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-    """guidance scales swept (log-spaced, two and a half decades)"""
+    scales: tuple[float, ...] = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 100.0)
+    """guidance scales swept (log-spaced, three decades)"""
     model: str = "mlp"
     """flow model: "mlp" (trained here, cached under runs/), "oracle" (exact GMM velocity), "both\""""
     n_samples: int = 4000
@@ -174,7 +181,8 @@ def run_testbed(tb: Testbed, model: torch.nn.Module, args: Args, log) -> tuple[d
             with torch.no_grad():  # as a policy calls it; methods that need grad enable it
                 x, st = guidance.sample(velocity, x0, args.n_steps,
                                         guide=build(config, tb, scale, args.mc_data), return_stats=True)
-            d = dist(x, power)
+            d = dist(x, power) if not st.n_exploded else {"swd": None, "mmd": None, "swd_matched": None}
+            d["n_exploded"] = st.n_exploded
             d["n_nonfinite_grad"] = st.n_nonfinite_grad
             d["n_nonfinite_output"] = st.n_nonfinite_output
             out[config][f"{scale:g}"] = d
@@ -279,12 +287,23 @@ def write_markdown(path: Path, data: dict) -> None:
             order = sorted(rows, key=lambda k: (math.inf if rows[k]["swd"]["best"] is None else rows[k]["swd"]["best"]))
             for name in order:
                 s, m = rows[name]["swd"], rows[name]["mmd"]
-                lines.append(f"| {name} | {fmt(s['best'])} ({s['best_scale']:g}) | {fmt(s['worst'])} "
-                             f"({s['worst_scale']:g}) | {s['width_decades']:.2f} | {fmt(m['best'], 4)} "
-                             f"({m['best_scale']:g}) | {fmt(m['worst'], 4)} | {m['width_decades']:.2f} | "
+                sc = lambda v: "-" if v is None else f"{v:g}"  # noqa: E731  (None: diverged at every scale)
+                lines.append(f"| {name} | {fmt(s['best'])} ({sc(s['best_scale'])}) | {fmt(s['worst'])} "
+                             f"({sc(s['worst_scale'])}) | {s['width_decades']:.2f} | {fmt(m['best'], 4)} "
+                             f"({sc(m['best_scale'])}) | {fmt(m['worst'], 4)} | {m['width_decades']:.2f} | "
                              f"{fmt(rows[name]['swd_matched']['median'])} / {fmt(rows[name]['swd_matched']['worst'])} |")
             lines.append("")
         lines += ["## Rankings (computed from the numbers above)", ""] + rankings({section: per_tb}) + [""]
+        check = default_check({section: per_tb}).get(section, {})
+        if check:
+            lines += ["## The default (`coupled`) against the best of its class (all but mc and none)", "",
+                      "| testbed | default best SWD | best of class | ratio | diverged scales | within 10%, stable |",
+                      "|---|---|---|---|---|---|"]
+            for tbname, r in check.items():
+                ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+                lines.append(f"| {tbname} | {fmt(r['default_best_swd'])} | `{r['class_best']}` {fmt(r['class_best_swd'])} "
+                             f"| {ratio} | {r['diverged_scales'] or 'none'} | {'yes' if r['pass'] else 'NO'} |")
+            lines.append("")
     if "overhead" in data:
         om = data.get("overhead_meta", {})
         big = data.get("overhead_large_net", {})
@@ -299,6 +318,26 @@ def write_markdown(path: Path, data: dict) -> None:
             lines.append(f"| {name} | {r['time_ratio']:.2f} | {r['nfe_ratio']:.2f} | {r['n_backward']} | "
                          f"{r['n_cost_grads']} | {r.get('n_cost_evals', 0)} | {'' if b is None else f'{b:.2f}'} |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def default_check(summary: dict, default: str = "coupled") -> dict:
+    """The issue's bar for the library default, per section and testbed: its best SWD within 10%
+    of the best method of its cost class (every method but mc and none) and no diverged scale."""
+    out: dict = {}
+    for section, per_tb in summary.items():
+        for tbname, rows in per_tb.items():
+            if default not in rows:
+                continue
+            comp = {n: r["swd"]["best"] for n, r in rows.items() if n not in ("mc", "none") and r["swd"]["best"] is not None}
+            best = min(comp, key=comp.get)
+            mine = rows[default]["swd"]["best"]
+            ratio = None if mine is None else mine / comp[best]
+            diverged = rows[default]["swd"]["diverged_scales"]
+            out.setdefault(section, {})[tbname] = {
+                "default_best_swd": mine, "class_best": best, "class_best_swd": comp[best], "ratio": ratio,
+                "diverged_scales": diverged, "methods_compared": len(comp),
+                "pass": ratio is not None and ratio <= 1.1 and not diverged}
+    return out
 
 
 def rankings(summary: dict) -> list[str]:
@@ -406,6 +445,9 @@ def main(args: Args) -> None:
         section = SECTIONS[kind]
         for name in args.testbeds:
             tb = make_testbed(name, seed=args.seed)
+            if kind == "oracle" and not tb.has_oracle:
+                log(f"[{section}] {name}: skipped (no closed-form velocity)")
+                continue
             log(f"[{section}] {name}: {tb.info.get('cost', '')}")
             curves, ref = run_testbed(tb, load_model(tb, kind, log), args, log)
             updates[(section, name)] = curves
@@ -437,6 +479,7 @@ def main(args: Args) -> None:
     for kind in kinds:
         updates[("exact_meta", SECTIONS[kind])] = meta
     data = write_json(args.out_dir / "guidance.json", updates)
+    data = write_json(args.out_dir / "guidance.json", {("default_check",): default_check(data.get("exact_summary", {}))})
     write_markdown(args.out_dir / "guidance.md", data)
     log(f"done in {meta['wall_s']:.0f}s -> {args.out_dir / 'guidance.json'}")
 

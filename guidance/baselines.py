@@ -96,6 +96,7 @@ class MonteCarloGuidance(Guidance):
         if self.cost is not None:
             with torch.no_grad():
                 c = self.cost(data)
+            self._stats.n_cost_evals += 1  # one batched evaluation over all N data points
             c = torch.where(torch.isnan(c), torch.full_like(c, float("inf")), c)
             self._cost_data = c
         else:

@@ -46,17 +46,31 @@ class SampleStats:
     n_nonfinite_grad: int = 0     # per-sample gradients with NaN/inf: zeroed, never used
     n_clipped_grad: int = 0       # per-sample steps shortened by max_grad_norm or a trust region
     n_nonfinite_output: int = 0   # samples whose final value is not finite (also warned)
+    n_exploded: int = 0           # samples whose norm grew past EXPLODE_FACTOR x their start (warned)
+    max_norm_ratio: float = 0.0   # largest |x_t| / reference norm seen along the path (1-10: normal)
+    s2: float | None = None       # mean data variance Sigma_t used (coupled), None if not used
+    s2_source: str = ""           # "model" (the flow model's data variance), "option", or "default" (1.0)
     wall_time_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-class VelocityCaller:
-    """Calls the user's velocity with the right arguments, checks it, and counts every use."""
+#: a sample whose norm exceeds this many times its reference norm (max of |x0| and the data's
+#: RMS norm) has exploded: far past anything a flow path from that noise to that data visits
+EXPLODE_FACTOR = 100.0
 
-    def __init__(self, velocity: Velocity, cond: Any, stats: SampleStats) -> None:
+
+class VelocityCaller:
+    """Calls the user's velocity with the right arguments, checks it, and counts every use.
+
+    ``data_variance`` is the flow model's per-dimension variance of the data endpoint (what
+    Sigma_t estimates need), or None when the model does not say."""
+
+    def __init__(self, velocity: Velocity, cond: Any, stats: SampleStats,
+                 data_variance: Tensor | None = None) -> None:
         self.velocity, self.cond, self.stats = velocity, cond, stats
+        self.data_variance = data_variance
 
     def __call__(self, x: Tensor, t: float, *, grad: bool = False, drop_cond: bool = False) -> Tensor:
         tt = torch.full((x.shape[0],), float(t), device=x.device, dtype=x.dtype)
@@ -86,11 +100,16 @@ class VelocityCaller:
 
 
 def sample(velocity: Velocity, x0: Tensor, n_steps: int = 10, guide: "Guidance | str | None" = None,
-           cond: Any = None, return_stats: bool = False) -> Tensor | tuple[Tensor, SampleStats]:
+           cond: Any = None, return_stats: bool = False,
+           data_variance: Tensor | float | None = None) -> Tensor | tuple[Tensor, SampleStats]:
     """Integrate the flow from noise ``x0`` (t=0) to data (t=1), guided by ``guide``.
 
     ``guide`` is a ``Guidance`` from ``guidance.make``, a method name with default options, or
-    ``None`` (unguided). Returns the samples, and ``SampleStats`` when ``return_stats``.
+    ``None`` (unguided). ``data_variance`` is the model's per-dimension data variance (broadcast
+    to one sample's shape; a policy passes its normalized action variance); coupled guidance
+    takes its ``s2`` from it unless given one. Returns the samples, and ``SampleStats`` when
+    ``return_stats``. Samples whose norm grows past ``EXPLODE_FACTOR`` x their reference norm are
+    counted (``n_exploded``) and warned about, like non-finite ones.
     """
     from guidance.base import Guidance
     from guidance.methods import make
@@ -109,19 +128,40 @@ def sample(velocity: Velocity, x0: Tensor, n_steps: int = 10, guide: "Guidance |
         raise InvalidOptionError(f"guidance {guide.name!r} backpropagates through the network; call "
                                  f"sample() under torch.no_grad(), not torch.inference_mode()")
 
+    if data_variance is not None:
+        data_variance = torch.as_tensor(data_variance, dtype=x0.dtype, device=x0.device)
+        if not bool((data_variance > 0).all()) or not bool(torch.isfinite(data_variance).all()):
+            raise InvalidOptionError("data_variance must be finite and > 0 in every dimension")
+        try:
+            data_variance = data_variance.expand(x0.shape[1:])
+        except RuntimeError:
+            raise InvalidOptionError(f"data_variance of shape {tuple(data_variance.shape)} does not "
+                                     f"broadcast to per-sample shape {tuple(x0.shape[1:])}") from None
+
     stats = SampleStats(method=guide.name, n_steps=n_steps)
-    caller = VelocityCaller(velocity, cond, stats)
+    caller = VelocityCaller(velocity, cond, stats, data_variance)
     start = time.perf_counter()
     x = x0.detach()
     guide.begin(x, caller)
+    # explosion watch: per-sample norm against max(|x0|, RMS norm of the data)
+    data_norm = float(data_variance.sum().sqrt()) if data_variance is not None else float(x0[0].numel()) ** 0.5
+    ref = torch.clamp(x0.reshape(x0.shape[0], -1).norm(dim=1), min=data_norm)
+    peak = torch.zeros_like(ref)
     dt = 1.0 / n_steps
     for i in range(n_steps):
         x = guide.step(caller, x, i / n_steps, dt).detach()
+        peak = torch.maximum(peak, torch.nan_to_num(x.reshape(x.shape[0], -1).norm(dim=1) / ref, nan=0.0, posinf=0.0))
     x = guide.finish(x)
     stats.wall_time_s = time.perf_counter() - start
     bad = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(1)
     stats.n_nonfinite_output = int(bad.sum())
+    stats.n_exploded = int((peak > EXPLODE_FACTOR).sum())
+    stats.max_norm_ratio = float(peak.max()) if peak.numel() else 0.0
     if stats.n_nonfinite_output:
         warnings.warn(f"guided sampling ({guide.name}) produced {stats.n_nonfinite_output} non-finite "
                       f"samples of {x.shape[0]}", RuntimeWarning, stacklevel=2)
+    if stats.n_exploded:
+        warnings.warn(f"guided sampling ({guide.name}) exploded on {stats.n_exploded} of {x.shape[0]} samples "
+                      f"(norm up to {stats.max_norm_ratio:.3g}x the noise/data norm; lower the scale or use "
+                      f"a bounded step)", RuntimeWarning, stacklevel=2)
     return (x, stats) if return_stats else x

@@ -11,7 +11,14 @@ by flow matching (seeded, ~10-60 s on CPU, cached under ``runs/guidance_testbed`
 
 Testbeds (``TESTBEDS``): ``gmm2d_linear``, ``gmm2d_obstacle``, ``gmm8d_linear``,
 ``gmm8d_obstacle`` and ``gmm2d_class`` (a conditional mixture whose cost is
-``-lam log p(y|x)``, so classifier-free guidance is scored on the same footing as the costs).
+``-lam log p(y|x)``, so classifier-free guidance is scored on the same footing as the costs);
+and cases no method was tuned on (``HELD_OUT``): ``grid9_halfplane`` (a 3x3 mixture, a soft
+half-plane barrier: mode reweighting), ``moons_quadratic`` (two moons, a curved non-Gaussian
+density, with a quadratic tilt; no closed-form velocity, so no oracle), ``gmm16d_fullcov_box``
+(16-D mixture with full covariances, a soft box on 3 coordinates: a diagonal Sigma_t cannot
+represent the posterior) and ``ring_band`` (a stiff band: |x_1| <= 0.3 held by a weight-200
+quadratic wall), ``gauss8d_linear`` (one anisotropic Gaussian, a linear cost: the tilted target
+is the same Gaussian shifted, where a sampler that narrows its samples loses).
 """
 
 from __future__ import annotations
@@ -69,6 +76,70 @@ class GaussianMixture:
         r = torch.softmax(logr, dim=1)
         comp_mean = mu + tt * s2 / var * (x - tt * mu)
         return (r[..., None] * comp_mean).sum(1).to(dtype)
+
+
+class FullCovMixture:
+    """Gaussian mixture with full covariances ``covs`` (K, D, D); same interface as
+    ``GaussianMixture`` (posterior means in closed form through each covariance's eigenbasis)."""
+
+    def __init__(self, means: Tensor, covs: Tensor, weights: Tensor) -> None:
+        self.means, self.covs = means.double(), covs.double()
+        self.weights = (weights / weights.sum()).double()
+        self.dim = self.means.shape[1]
+        self.evals, self.evecs = torch.linalg.eigh(self.covs)       # (K, D), (K, D, D)
+        self._chol = torch.linalg.cholesky(self.covs)
+
+    def sample(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        k = torch.multinomial(self.weights, n, replacement=True, generator=generator)
+        eps = torch.randn(n, self.dim, generator=generator, dtype=torch.float64)
+        return (self.means[k] + torch.einsum("nij,nj->ni", self._chol[k], eps)).float(), k
+
+    def _log_normals(self, x: Tensor, var: Tensor, shift: Tensor) -> Tensor:
+        """log N(x; shift_k, U_k diag(var_k) U_k^T) for each k: (n, K)."""
+        z = torch.einsum("kji,nkj->nki", self.evecs, x[:, None, :] - shift)   # eigen-coordinates
+        return (-0.5 * (z * z / var).sum(-1) - 0.5 * torch.log(var).sum(-1)
+                - 0.5 * self.dim * math.log(2 * math.pi))
+
+    def joint_log_prob(self, x: Tensor) -> Tensor:
+        x = x.to(self.means.dtype)
+        return self._log_normals(x, self.evals[None], self.means[None]) + torch.log(self.weights)[None]
+
+    def log_prob(self, x: Tensor) -> Tensor:
+        return torch.logsumexp(self.joint_log_prob(x), dim=1)
+
+    def posterior_mean(self, x_t: Tensor, t: Tensor) -> Tensor:
+        dtype = x_t.dtype
+        x, tt = x_t.double(), t.double()[:, None, None]
+        var = tt * tt * self.evals[None] + (1 - tt) ** 2                     # (n, K, D)
+        shift = tt * self.means[None]
+        logr = self._log_normals(x, var, shift) + torch.log(self.weights)[None]
+        r = torch.softmax(logr, dim=1)
+        z = torch.einsum("kji,nkj->nki", self.evecs, x[:, None, :] - shift)
+        comp = self.means[None] + torch.einsum("kij,nkj->nki", self.evecs, tt * self.evals[None] / var * z)
+        return (r[..., None] * comp).sum(1).to(dtype)
+
+
+class TwoMoons:
+    """Two interleaved half circles with Gaussian noise, centred and scaled to unit RMS: a curved,
+    non-Gaussian density. Sampling only (no closed-form posterior: the MLP model is the flow)."""
+
+    def __init__(self, noise: float = 0.08) -> None:
+        self.noise, self.dim = noise, 2
+        self.shift = torch.tensor([0.5, 0.25], dtype=torch.float64)
+        self.scale = 1.0 / 0.75
+
+    def sample(self, n: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        k = torch.randint(0, 2, (n,), generator=generator)
+        th = math.pi * torch.rand(n, generator=generator, dtype=torch.float64)
+        upper = torch.stack([torch.cos(th), torch.sin(th)], 1)
+        lower = torch.stack([1 - torch.cos(th), 0.5 - torch.sin(th)], 1)
+        x = torch.where(k[:, None] == 0, upper, lower)
+        x = x + self.noise * torch.randn(n, 2, generator=generator, dtype=torch.float64)
+        return ((x - self.shift) * self.scale).float(), k
+
+    def posterior_mean(self, x_t: Tensor, t: Tensor) -> Tensor:
+        raise InvalidOptionError("two moons has no closed-form flow velocity; use the trained MLP "
+                                 "model (benchmark --model mlp)")
 
 
 def importance_resample(x: Tensor, logw: Tensor, n: int, gen: torch.Generator) -> tuple[Tensor, float]:
@@ -190,6 +261,11 @@ class Testbed:
         v = self.velocity(model)
         return lambda x, t: v(x, t, drop_cond=True)
 
+    @property
+    def has_oracle(self) -> bool:
+        """Whether the data density has a closed-form flow velocity (mixtures do, moons do not)."""
+        return not isinstance(self.mixture, TwoMoons)
+
     def oracle(self) -> GMMVelocity:
         return GMMVelocity(self.mixture, self.cond_mixture)
 
@@ -218,7 +294,23 @@ def _class_cost(uncond: GaussianMixture, cond: GaussianMixture, prior: float, la
     return FunctionCost(cost, "classifier")
 
 
-TESTBEDS = ("gmm2d_linear", "gmm2d_obstacle", "gmm8d_linear", "gmm8d_obstacle", "gmm2d_class")
+HELD_OUT = ("grid9_halfplane", "moons_quadratic", "gmm16d_fullcov_box", "ring_band", "gauss8d_linear")
+TESTBEDS = ("gmm2d_linear", "gmm2d_obstacle", "gmm8d_linear", "gmm8d_obstacle", "gmm2d_class") + HELD_OUT
+
+
+def _grid9() -> GaussianMixture:
+    g = torch.tensor([-1.2, 0.0, 1.2], dtype=torch.float64)
+    means = torch.stack(torch.meshgrid(g, g, indexing="ij"), -1).reshape(9, 2)
+    return GaussianMixture(means, torch.full((9, 2), 0.22, dtype=torch.float64), torch.ones(9, dtype=torch.float64))
+
+
+def _fullcov_mixture(dim: int, k: int, seed: int) -> FullCovMixture:
+    g = torch.Generator().manual_seed(seed)
+    means = 1.0 * torch.randn(k, dim, generator=g, dtype=torch.float64)
+    q, _ = torch.linalg.qr(torch.randn(k, dim, dim, generator=g, dtype=torch.float64))
+    evals = 0.02 + 0.4 * torch.rand(k, dim, generator=g, dtype=torch.float64) ** 2
+    covs = q @ torch.diag_embed(evals) @ q.transpose(1, 2)
+    return FullCovMixture(means, covs, 0.5 + torch.rand(k, generator=g, dtype=torch.float64))
 
 
 def make_testbed(name: str, n_data: int = 20_000, seed: int = 0) -> Testbed:
@@ -229,7 +321,9 @@ def make_testbed(name: str, n_data: int = 20_000, seed: int = 0) -> Testbed:
     labels = cond = label = None
     n_classes = 0
     info: dict = {}
-    if name.startswith("gmm2d_") and name != "gmm2d_class":
+    if name in HELD_OUT:
+        mix, cost, info["cost"] = _held_out(name)
+    elif name.startswith("gmm2d_") and name != "gmm2d_class":
         mix = _ring(8, 1.6, 0.25)
         if name == "gmm2d_linear":
             cost: Cost = LinearCost(torch.tensor([1.5, 0.75]))
@@ -265,6 +359,33 @@ def make_testbed(name: str, n_data: int = 20_000, seed: int = 0) -> Testbed:
         return Testbed(name, mix, cost, x, labels, cond, label, n_classes, info, cfg_lambda=lam)
     x, _ = mix.sample(n_data, gen)
     return Testbed(name, mix, cost, x, labels, cond, label, n_classes, info)
+
+
+def _held_out(name: str) -> tuple:
+    if name == "grid9_halfplane":
+        n = torch.tensor([0.8, 0.6])
+        cost: Cost = FunctionCost(lambda x: 3.0 * torch.relu(x @ n.to(x.dtype) - 0.3), "halfplane")
+        return _grid9(), cost, "c(x) = 3 relu(<(0.8, 0.6), x> - 0.3): a soft half-plane barrier over a 3x3 grid"
+    if name == "moons_quadratic":
+        center = torch.tensor([1.0, -0.4])
+        cost = FunctionCost(lambda x: 1.5 * ((x - center.to(x.dtype)) ** 2).sum(1), "quadratic_tilt")
+        return TwoMoons(), cost, "c(x) = 1.5 |x - (1, -0.4)|^2 on two moons: a quadratic tilt of a curved density"
+    if name == "gmm16d_fullcov_box":
+        mix = _fullcov_mixture(16, 6, seed=3)
+        cost = FunctionCost(lambda x: 10.0 * (torch.relu(x[:, :3].abs() - 0.6) ** 2).sum(1), "soft_box")
+        return mix, cost, "c(x) = 10 sum_{i<3} relu(|x_i| - 0.6)^2 on a 16-D full-covariance mixture"
+    if name == "gauss8d_linear":
+        g = torch.Generator().manual_seed(4)
+        mix = GaussianMixture(0.5 * torch.randn(1, 8, generator=g, dtype=torch.float64),
+                              (0.3 + 0.7 * torch.rand(1, 8, generator=g, dtype=torch.float64)),
+                              torch.ones(1, dtype=torch.float64))
+        d = torch.randn(8, generator=g)
+        cost = LinearCost(2.0 * d / d.norm())
+        return mix, cost, "c(x) = <a, x>, |a| = 2 on ONE anisotropic 8-D Gaussian: the tilt only shifts the mean"
+    if name == "ring_band":
+        cost = FunctionCost(lambda x: 200.0 * torch.relu(x[:, 1].abs() - 0.3) ** 2, "band")
+        return _ring(8, 1.6, 0.25), cost, "c(x) = 200 relu(|x_1| - 0.3)^2: a stiff band across the ring"
+    raise InvalidOptionError(f"unknown held-out testbed {name!r}")
 
 
 def _cache_key(testbed: Testbed, cfg: TrainConfig) -> str:

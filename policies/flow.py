@@ -89,7 +89,9 @@ class FlowMatchingVLA(VLAModel):
         x0 = torch.randn(B, c.horizon, c.action_dim, device=self.device) if noise is None else noise.to(self.device)
         steps = n_steps or c.flow_steps
         from guidance.sampler import sample
-        return sample(velocity, x0, n_steps=steps, guide=guide, return_stats=return_stats)
+        var = self.normalizer.action_variance()
+        return sample(velocity, x0, n_steps=steps, guide=guide, return_stats=return_stats,
+                      data_variance=None if var is None else var.to(x0.device).expand(c.horizon, c.action_dim))
 
     # ----- instruction scores (CIG) ---------------------------------------------------------
     def energies(self, batch: dict[str, Any], candidates: list[list[str]], n_draws: int = 4,

@@ -267,6 +267,10 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> dict:
     return meta
 
 
+#: buffers added after the first checkpoints were written: absent ones keep their "unknown" value
+_OPTIONAL_BUFFERS = ("normalizer.action_var",)
+
+
 def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> VLAModel:
     """Weights and instruction features into ``model``; damaged or mismatched files raise a
     one-line CheckpointError naming the file (not a SafetensorError or a multi-line RuntimeError)."""
@@ -278,7 +282,8 @@ def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> V
     try:
         weights = load_file(str(path))
         try:
-            model.load_state_dict(weights, strict=True)
+            missing = [k for k in _OPTIONAL_BUFFERS if k in model.state_dict() and k not in weights]
+            model.load_state_dict({**weights, **{k: model.state_dict()[k] for k in missing}}, strict=True)
         except RuntimeError as e:  # size mismatch / missing keys: config.json and weights disagree
             lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()] or [str(e)]
             more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""

@@ -20,6 +20,9 @@ class Normalizer(nn.Module):
         self.register_buffer("state_std", torch.ones(state_dim))
         self.register_buffer("action_min", -torch.ones(action_dim))
         self.register_buffer("action_max", torch.ones(action_dim))
+        # variance of the normalized actions per dimension (guidance's Sigma_t needs the data
+        # scale; min-max normalization does not give unit variance); 0 = unknown (older checkpoints)
+        self.register_buffer("action_var", torch.zeros(action_dim))
 
     def fit(self, states: np.ndarray, actions: np.ndarray) -> None:
         s = torch.as_tensor(np.asarray(states), dtype=torch.float32)
@@ -30,6 +33,7 @@ class Normalizer(nn.Module):
         pad = ((hi - lo) * 0.02).clamp_min(1e-3)  # keep constant dims (e.g. a held gripper) finite
         self.action_min.copy_(lo - pad)
         self.action_max.copy_(hi + pad)
+        self.action_var.copy_(self.action(a).var(0).clamp_min(1e-6))
 
     def fit_language(self, feats: torch.Tensor, mask: torch.Tensor) -> None:
         """Instruction-feature statistics from (N, L, D) features of the training instructions
@@ -44,6 +48,10 @@ class Normalizer(nn.Module):
         if not hasattr(self, "lang_mean"):
             return f
         return (f - self.lang_mean.to(f.device)) / self.lang_scale.to(f.device)
+
+    def action_variance(self) -> torch.Tensor | None:
+        """Per-dimension variance of normalized actions, None where the checkpoint predates it."""
+        return self.action_var if bool((self.action_var > 0).all()) else None
 
     def state(self, s: torch.Tensor) -> torch.Tensor:
         return (s - self.state_mean) / self.state_std

@@ -98,6 +98,16 @@ def test_cig_makes_the_demonstrated_chunk_identify_its_instruction(correlated_pa
     acc_bc = identification_accuracy(policies.load(bc["ckpt"]), data, n=128)
     acc_cig = identification_accuracy(policies.load(cig["ckpt"]), data, n=128)
     assert acc_cig >= 0.9 and acc_cig >= acc_bc + 0.1, (acc_bc, acc_cig)
+    # the diagnostic splits the same samples by episode progress: the bins average back to the whole
+    from train.diagnose import diagnose
+    d = diagnose(policies.load(cig["ckpt"]), data, n=128, bins=4)
+    idx, hits = identification_accuracy(policies.load(cig["ckpt"]), data, n=128, per_sample=True)
+    prog = data.batch(idx)["progress"]
+    counts = [int(((prog >= lo) & ((prog < hi) if i < 3 else (prog <= hi))).sum())
+              for i, (lo, hi) in enumerate(zip([0, .25, .5, .75], [.25, .5, .75, 1.0]))]
+    by_bin = d["identification_by_progress"]
+    assert d["identification_accuracy"] == pytest.approx(acc_cig)
+    assert sum(c * (b or 0) for c, b in zip(counts, by_bin)) / sum(counts) == pytest.approx(acc_cig, abs=1e-6)
 
 
 def test_cig_continuation_refuses_a_checkpoint_without_the_suite_vocabulary(correlated_pair, tmp_path):

@@ -89,9 +89,10 @@ def test_coupled_is_exact_for_gaussian_data_and_a_linear_cost():
         t = t[:, None]
         return (m + t * s2 / (t * t * s2 + (1 - t) ** 2) * (x - t * m) - x) / (1 - t)
     x0 = torch.randn(20000, 2, generator=torch.Generator().manual_seed(0))
-    x = guidance.sample(v, x0, 50, guide=guidance.make("coupled", cost=costs.LinearCost(a), s2=s2))
-    assert torch.allclose(x.mean(0), m - s2 * a, atol=0.03)
-    assert torch.allclose(x.var(0), torch.full((2,), s2), atol=0.03)
+    for opts in ({"sigma": "independent"}, {}):  # the diagonal Sigma_t, and the default's Jacobian one
+        x = guidance.sample(v, x0, 50, guide=guidance.make("coupled", cost=costs.LinearCost(a), s2=s2, **opts))
+        assert torch.allclose(x.mean(0), m - s2 * a, atol=0.03), opts
+        assert torch.allclose(x.var(0), torch.full((2,), s2), atol=0.03), opts
 
 
 def test_coupled_uses_the_network_like_unguided_sampling():
@@ -99,8 +100,9 @@ def test_coupled_uses_the_network_like_unguided_sampling():
     x0 = torch.randn(8, 4, 3, generator=torch.Generator().manual_seed(0))
     cost = costs.LimitCost(-0.1, 0.1)
     _, plain = guidance.sample(net, x0, 10, return_stats=True)
-    for opts in ({}, {"step": "prox"}, {"step": "linesearch"}, {"step": "trust"}, {"step": "sampled"},
-                 {"sigma": "identity"}, {"noise_endpoint": "fixed"}):
+    for opts in ({"sigma": "independent"}, {"step": "prox"}, {"step": "trust", "sigma": "independent"},
+                 {"step": "sampled"}, {"step": "tilted_is"}, {"sigma": "identity"}, {"step": "linear", "sigma": 0.3},
+                 {"sigma": "independent", "renoise": 0.6}):
         x, st = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0, **opts),
                                 return_stats=True)
         assert st.nfe == plain.nfe == 10 and st.n_backward == 0
@@ -110,10 +112,12 @@ def test_coupled_uses_the_network_like_unguided_sampling():
     _, st = guidance.sample(net, x0, 10, guide=guidance.make("velocity_gradient", cost=cost, scale=2.0),
                             return_stats=True)
     assert st.n_backward == 10 and net.backward_calls == 10
-    # the Jacobian Sigma_t estimate is the one coupled variant that pays a backward pass (t > 0)
-    _, st = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0, sigma="jacobian"),
-                            return_stats=True)
-    assert st.nfe == 10 and st.n_backward == 9
+    # the Jacobian Sigma_t estimate -- the default -- is the coupled variant that pays a backward
+    # pass (t > 0), with or without the line search
+    for opts in ({}, {"sigma": "jacobian", "step": "linear"}):
+        _, st = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0, **opts),
+                                return_stats=True)
+        assert st.nfe == 10 and st.n_backward == 9, opts
 
 
 def test_safeguarded_steps_stay_stable_where_the_linear_step_blows_up():
@@ -204,7 +208,8 @@ def test_nan_gradient_is_counted_and_not_propagated():
         return (x ** 2).sum(1) + x[:, 0] * poison
     ref = guidance.sample(net, x0, 10)
     for name in ("coupled", "velocity_gradient", "state_gradient"):
-        x, st = guidance.sample(net, x0, 10, guide=guidance.make(name, cost=poisoned, scale=1.0),
+        opts = {"renoise": 0.0} if name == "coupled" else {}  # fresh noise would move sample 0 too
+        x, st = guidance.sample(net, x0, 10, guide=guidance.make(name, cost=poisoned, scale=1.0, **opts),
                                 return_stats=True)
         assert st.n_nonfinite_grad == 10 and st.n_nonfinite_output == 0, name
         assert torch.isfinite(x).all()
@@ -286,3 +291,67 @@ def test_mlp_flow_model_trains_on_the_testbed(tmp_path):
     d_trained = distances.sliced_wasserstein(guidance.sample(tb.velocity(model), x0), p)
     d_untrained = distances.sliced_wasserstein(guidance.sample(lambda x, t: untrained(x, t), x0), p)
     assert d_trained < 0.5 * d_untrained
+
+
+def test_explosions_are_counted_and_warned_while_sane_runs_stay_clean(bed2d):
+    tb = testbed.make_testbed("gmm2d_obstacle", n_data=2000)
+    v = tb.unconditional_velocity(tb.oracle())
+    x0 = torch.randn(500, 2, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(RuntimeWarning, match="exploded"):
+        x, st = guidance.sample(v, x0, 10, guide=_make("coupled", tb, 1000.0, step="linear", sigma="independent"),
+                                return_stats=True)
+    assert torch.isfinite(x).all()          # finite, yet far off: only the norm watch sees it
+    assert st.n_exploded > 0 and st.max_norm_ratio > 100
+    for guide in (None, _make("coupled", tb, 100.0)):  # unguided, and the default at the sweep's top scale
+        _, st = guidance.sample(v, x0, 10, guide=guide, return_stats=True)
+        assert st.n_exploded == 0 and st.max_norm_ratio < 20
+
+
+def test_mc_counts_its_cost_evaluations(bed2d):
+    tb, v = bed2d
+    x0 = torch.randn(64, 2, generator=torch.Generator().manual_seed(0))
+    _, st = guidance.sample(v, x0, 10, guide=_make("mc", tb, 1.0), return_stats=True)
+    assert st.n_cost_evals >= 1
+
+
+def test_coupled_takes_s2_from_the_model_and_records_it():
+    net = TinyNet((4, 3))
+    x0 = torch.randn(8, 4, 3, generator=torch.Generator().manual_seed(0))
+    cost = costs.LimitCost(-0.1, 0.1)
+    var = torch.full((3,), 0.2)
+    runs = {}
+    for label, kw, opt in (("model", {"data_variance": var}, {}), ("option", {"data_variance": var}, {"s2": 0.5}),
+                           ("default", {}, {})):
+        x, st = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0,
+                                                                 sigma="independent", **opt),
+                                return_stats=True, **kw)
+        assert st.s2_source == label
+        runs[label] = (x, st.s2)
+    assert runs["model"][1] == pytest.approx(0.2) and runs["option"][1] == 0.5 and runs["default"][1] == 1.0
+    # the model's variance is what Sigma_t used: the same as passing it by hand
+    same = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0, s2=var,
+                                                            sigma="independent"))
+    assert torch.allclose(runs["model"][0], same) and not torch.allclose(runs["model"][0], runs["default"][0])
+    with pytest.raises(ValueError, match="data_variance"):
+        guidance.sample(net, x0, 10, data_variance=torch.zeros(3))
+
+
+def _gaussian_velocity(m, s2):
+    def v(x, t):
+        t = t[:, None]
+        return (m + t * s2 / (t * t * s2 + (1 - t) ** 2) * (x - t * m) - x) / (1 - t)
+    return v
+
+
+def test_renoise_and_tilted_is_keep_the_gaussian_tilt_exact():
+    # N(m, s2 I) tilted by exp(-a.x) is N(m - s2 a, s2 I): the DDIM-eta renoise and the
+    # importance-corrected particles must keep both moments (a constant fresh-noise share did not)
+    m, s2, a = torch.tensor([0.5, -0.3]), 0.4, torch.tensor([1.0, -2.0])
+    v = _gaussian_velocity(m, s2)
+    x0 = torch.randn(20000, 2, generator=torch.Generator().manual_seed(0))
+    for opts in ({"renoise": 0.6}, {"renoise": 1.0}, {"step": "tilted_is", "sigma": "independent"}):
+        x = guidance.sample(v, x0, 60, guide=guidance.make("coupled", cost=costs.LinearCost(a), s2=s2, **opts))
+        assert torch.allclose(x.mean(0), m - s2 * a, atol=0.04), opts
+        assert torch.allclose(x.var(0), torch.full((2,), s2), atol=0.04), opts
+    with pytest.raises(ValueError, match="renoise"):
+        guidance.make("coupled", cost=costs.LinearCost(a), renoise=1.5)

@@ -107,6 +107,30 @@ def test_language_is_centred_on_the_training_instructions():
             np.zeros((2, 6)), np.zeros((2, 3)))
 
 
+def test_guidance_reads_the_policys_action_variance(tmp_path):
+    """Min-max normalized actions do not have unit variance: coupled guidance's Sigma_t takes the
+    variance the normalizer measured (uniform actions: ~1/3 per dimension), and a checkpoint
+    written before that buffer existed still loads, falling back to s2 = 1."""
+    import guidance
+    from safetensors.torch import load_file, save_file
+    p = _tiny("flow")
+    var = p.normalizer.action_variance()
+    assert var is not None and torch.all((var > 0.2) & (var < 0.45))
+    batch = p.obs_to_batch(OBS)
+    guide = guidance.make("coupled", cost=guidance.costs.LimitCost(-0.1, 0.1), scale=1.0, sigma="independent")
+    with torch.no_grad():
+        _, st = p.sample_chunks(batch, guide=guide, return_stats=True)
+    assert st.s2_source == "model" and st.s2 == pytest.approx(float(var.mean()))
+    p.save(tmp_path / "ckpt")
+    w = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    save_file({k: v for k, v in w.items() if k != "normalizer.action_var"}, str(tmp_path / "ckpt" / "model.safetensors"))
+    q = policies.load(tmp_path / "ckpt")
+    assert q.normalizer.action_variance() is None
+    with torch.no_grad():
+        _, st = q.sample_chunks(batch, guide=guide, return_stats=True)
+    assert st.s2_source == "default" and st.s2 == 1.0
+
+
 def test_flow_sampling_deterministic_given_noise():
     p = _tiny("flow")
     for prm in p.parameters():

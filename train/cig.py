@@ -124,9 +124,10 @@ class CIGObjective:
 
 
 @torch.no_grad()
-def identification_accuracy(policy: Any, data: Any, n: int = 256, seed: int = 0, k: int | None = None) -> float:
+def identification_accuracy(policy: Any, data: Any, n: int = 256, seed: int = 0, k: int | None = None,
+                            per_sample: bool = False) -> Any:
     """Fraction of held-out samples whose demonstrated chunk scores its own instruction highest
-    among all suite instructions."""
+    among all suite instructions (``per_sample``: the (indices, hits) behind it instead)."""
     rng = np.random.default_rng(seed)
     idx = rng.choice(len(data), size=min(n, len(data)), replace=False)
     batch = data.batch(idx)
@@ -136,4 +137,5 @@ def identification_accuracy(policy: Any, data: Any, n: int = 256, seed: int = 0,
     policy.eval()
     s = policy.instruction_scores(batch, cands, generator=gen) if policy.config.kind == "flow" else \
         policy.instruction_scores(batch, cands)
-    return float((s.argmax(1) == 0).float().mean())
+    hits = (s.argmax(1) == 0).numpy()
+    return (idx, hits) if per_sample else float(hits.mean())

@@ -1,6 +1,7 @@
 """Instruction-grounding diagnostics (``groundflow diagnose``): does the policy listen?
 
-- identification accuracy: does the demonstrated chunk score its own instruction highest?
+- identification accuracy: does the demonstrated chunk score its own instruction highest? (also
+  per episode-progress bin: late steps are where the instruction is weakly constrained);
 - action sensitivity: E || pi(o, l*) - pi(o, l') || with the sampling noise shared;
 - collapse curve: cosine similarity of the conditioning features under l* and l', per network
   layer and per episode-progress bin (1 = the instruction no longer changes anything).
@@ -57,7 +58,10 @@ def diagnose(policy: Any, data: ChunkData, n: int = 256, bins: int = 5, seed: in
         cos = torch.nn.functional.cosine_similarity(fs, fc, dim=-1).numpy()
         curve.append([float(cos[which == b].mean()) if np.any(which == b) else None for b in range(bins)])
     sens_bins = [float(sens[which == b].mean()) if np.any(which == b) else None for b in range(bins)]
-    return {"identification_accuracy": identification_accuracy(policy, data, n=n, seed=seed),
+    id_idx, hits = identification_accuracy(policy, data, n=n, seed=seed, per_sample=True)
+    id_which = np.clip(np.digitize(data.batch(id_idx)["progress"], edges[1:-1]), 0, bins - 1)
+    id_bins = [float(hits[id_which == b].mean()) if np.any(id_which == b) else None for b in range(bins)]
+    return {"identification_accuracy": float(hits.mean()), "identification_by_progress": id_bins,
             "action_sensitivity": float(sens.mean()), "action_sensitivity_by_progress": sens_bins,
             "collapse_curve": {"progress_bins": edges.tolist(), "cosine_by_layer": curve},
             "samples": int(len(idx)), "instructions": data.instructions, "uncached_instructions": unknown}
@@ -74,9 +78,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
         mids = (edges[:-1] + edges[1:]) / 2
         for i, row in enumerate(r["collapse_curve"]["cosine_by_layer"]):
             ax.plot(mids, [np.nan if v is None else v for v in row], marker="o", label=f"layer {i + 1}")
+        if r.get("identification_by_progress"):
+            ax.plot(mids, [np.nan if v is None else v for v in r["identification_by_progress"]], "k--", marker="s",
+                    label="identification acc.")
         ax.set_title(f"{name}\nid acc {r['identification_accuracy']:.2f}, sens {r['action_sensitivity']:.2f}")
         ax.set_xlabel("episode progress")
-        ax.set_ylabel("cos(features | l*, l')")
+        ax.set_ylabel("cos(features | l*, l')  /  identification")
         ax.set_ylim(min(0.0, ax.get_ylim()[0]), 1.02)
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
