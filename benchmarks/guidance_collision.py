@@ -59,6 +59,8 @@ class Args:
     goal_weight: float = 30.0
     seed: int = 0
     quick: bool = False
+    keep_other_rows: bool = False
+    """keep the results of methods not run now (a partial rerun, e.g. after a default changed)"""
 
 
 def main() -> None:
@@ -100,17 +102,22 @@ def main() -> None:
             "no_obstacle_success": ref["no_obstacle"]["success_rate"], "seconds": time.time() - t0,
             "machine": machine(), "skipped": {"mc": "needs conditional chunk samples per observation",
                                               "cfg": "takes no cost"}}
+    if a.keep_other_rows:  # a rerun of some methods: rows of the others stay (each row has its own episodes)
+        old = json.loads((RESULTS / "guidance.json").read_text()) if (RESULTS / "guidance.json").exists() else {}
+        final = {**{k: v for k, v in old.get("collision", {}).items() if k not in final}, **final}
+        sweep = {**{k: v for k, v in old.get("collision_sweep", {}).items() if k not in sweep}, **sweep}
+        meta = {**old.get("collision_meta", {}), "rerun": {**meta, "methods": list(a.methods)}}
     merge_json(RESULTS / "guidance.json", {"collision": final, "collision_sweep": sweep, "collision_meta": meta})
     free = ref["no_obstacle"]
-    rows = [["no obstacles, unguided", "-", f"{free['success_rate']:.2f}", f"{free['collision_rate']:.2f}", "-", "-", "-"]]
+    rows = [["no obstacles, unguided", "-", f"{free['success_rate']:.2f}", f"{free['collision_rate']:.2f}", "-", "-", "-", "-"]]
     for m, r in final.items():
         rows.append([m, f"{r['scale']:g}", f"{r['success_rate']:.2f} [{r['success_ci95'][0]:.2f}, {r['success_ci95'][1]:.2f}]",
                      f"{r['collision_rate']:.2f} [{r['collision_ci95'][0]:.2f}, {r['collision_ci95'][1]:.2f}]",
-                     f"{r['clean_success_rate']:.2f}", f"{r['time_ratio']:.2f}", f"{r['nfe_ratio']:.2f}"])
-    table = (f"## Collision avoidance ({a.final_episodes} fresh episodes per row, best scale of a "
+                     f"{r['clean_success_rate']:.2f}", f"{r['time_ratio']:.2f}", f"{r['nfe_ratio']:.2f}", r["episodes"]])
+    table = (f"## Collision avoidance (fresh episodes per row, best scale of a "
              f"{a.sweep_episodes}-episode sweep)\n\n" + md_table(
                  ["method", "scale", "success [95% CI]", "collision [95% CI]", "clean success", "time/chunk vs none",
-                  "NFE vs none"], rows))
+                  "NFE vs none", "episodes"], rows))
     srows = [[m, s, f"{r['success_rate']:.2f}", f"{r['collision_rate']:.2f}", f"{r['clean_success_rate']:.2f}",
               f"{r['ms_per_chunk']:.1f}"] for m, d in sweep.items() for s, r in d.items()]
     table += "\n## Scale sweep\n\n" + md_table(["method", "scale", "success", "collision", "clean", "ms/chunk"], srows)
