@@ -36,15 +36,15 @@ from guidance.testbed import (TESTBEDS, MLPVelocity, Testbed, importance_resampl
                               make_testbed, train_velocity)
 
 # name -> (method, options). "s2" is filled with the testbed's data variance where the Sigma_t
-# estimate needs it. "coupled" is the library default (Jacobian Sigma_t, linesearch step);
-# coupled_independent the previous default; the schedule/window/noise variants change ONE thing
+# estimate needs it. "coupled" is the library default (diagonal Sigma_t, linesearch step);
+# coupled_jacobian_ls the Tweedie Sigma_t with the same step; the schedule/window/noise variants change ONE thing
 # of DESIGN.md's linear step (coupled_linear).
 _LIN = {"step": "linear"}
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
-    "coupled": ("coupled", {}),                                           # default: Jacobian Sigma_t, linesearch
-    "coupled_renoise1": ("coupled", {"renoise": 1.0}),                    # default + DDIM-eta fresh noise (eta 1)
-    "coupled_independent": ("coupled", {"sigma": "independent"}),         # previous default (no backward pass)
+    "coupled": ("coupled", {}),                                           # default: diagonal Sigma_t, linesearch
+    "coupled_jacobian_ls": ("coupled", {"sigma": "jacobian"}),            # Jacobian Sigma_t, linesearch (1 backward/step)
+    "coupled_renoise1": ("coupled", {"sigma": "jacobian", "renoise": 1.0}),  # + DDIM-eta fresh noise (eta 1)
     "coupled_linear": ("coupled", {**_LIN, "sigma": "independent"}),      # DESIGN.md's step
     "coupled_identity": ("coupled", {**_LIN, "sigma": "identity"}),       # Sigma_t = 1
     "coupled_const0.25": ("coupled", {**_LIN, "sigma": 0.25}),            # Sigma_t = 0.25
@@ -54,7 +54,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "coupled_trust": ("coupled", {"step": "trust", "radius": 0.5, "sigma": "independent"}),  # |step| <= 0.5
     "coupled_sampled": ("coupled", {"step": "sampled", "n_particles": 32}),  # tilted-posterior IS
     "coupled_tilted_is": ("coupled", {"step": "tilted_is", "n_particles": 32}),  # IS around the line-search endpoint
-    "coupled_renoise0.6": ("coupled", {"renoise": 0.6}),                  # default + DDIM-eta 0.6
+    "coupled_renoise0.6": ("coupled", {"sigma": "jacobian", "renoise": 0.6}),  # Jacobian ls + DDIM-eta 0.6
     "coupled_sampled_renoise0.6": ("coupled", {"step": "sampled", "n_particles": 32, "renoise": 0.6}),
     "coupled_late": ("coupled", {**_LIN, "sigma": "independent", "t_start": 0.3}),  # guidance only for t >= 0.3
     "coupled_early": ("coupled", {**_LIN, "sigma": "independent", "t_end": 0.7}),   # guidance only for t < 0.7

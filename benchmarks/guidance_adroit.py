@@ -45,8 +45,10 @@ RUNS = ROOT / "runs" / "bench_guidance_adroit"
 CONFIGS: dict[str, tuple[str, dict, tuple[float, ...]]] = {
     "none": ("none", {}, (0.0,)),
     "clip": ("clip", {}, (0.0,)),
-    "coupled": ("coupled", {}, (0.1, 1.0, 10.0)),                       # library default: Jacobian Sigma_t, linesearch
-    "coupled_independent": ("coupled", {"sigma": "independent"}, (0.1, 1.0, 10.0)),  # previous default
+    "coupled": ("coupled", {}, (0.1, 1.0, 10.0)),                       # library default: linesearch step
+    # Jacobian Sigma_t: a policy's posterior given its observation is sharp, the Tweedie Sigma_t
+    # small, and the same scale guides less: its sweep reaches 1000
+    "coupled_jacobian_ls": ("coupled", {"sigma": "jacobian"}, (1.0, 10.0, 100.0, 1000.0)),
     "coupled_prox": ("coupled", {"step": "prox"}, (1.0, 10.0, 100.0)),  # converged prox (5 inner steps)
     "velocity_gradient": ("velocity_gradient", {}, (0.1, 1.0, 10.0)),
     "state_gradient": ("state_gradient", {}, (0.1, 1.0, 10.0)),

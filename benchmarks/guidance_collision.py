@@ -35,10 +35,10 @@ from train.guided_eval import evaluate_collision  # noqa: E402
 ENV = "maniskill/CollisionAvoidance-v1"
 # mc is left out: it needs samples of the *conditional* chunk distribution for each observation
 # (it is defined for unconditional models with a data set); cfg takes no cost.
-# name -> (method, options): coupled is the library default (Jacobian Sigma_t, line-search step);
-# coupled_independent the previous default (diagonal Sigma_t, no backward pass); coupled_linear is
+# name -> (method, options): coupled is the library default (diagonal Sigma_t, line-search step);
+# coupled_jacobian_ls the Tweedie Sigma_t with the same step (one backward pass); coupled_linear is
 # DESIGN.md's plain posterior-covariance step (no extra cost evaluations).
-CONFIGS = {"coupled": ("coupled", {}), "coupled_independent": ("coupled", {"sigma": "independent"}),
+CONFIGS = {"coupled": ("coupled", {}), "coupled_jacobian_ls": ("coupled", {"sigma": "jacobian"}),
            "coupled_linear": ("coupled", {"step": "linear"}),
            "velocity_gradient": ("velocity_gradient", {}), "state_gradient": ("state_gradient", {}),
            "pnp_renoise": ("pnp_renoise", {})}

@@ -48,8 +48,8 @@ TASKS = ("inpaint_half", "inpaint_center", "sr4", "deblur")
 # Sigma_t estimate of coupled/pnp_renoise; "project" only exists for inpainting.
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
-    "coupled": ("coupled", {}),                                # library default: Jacobian Sigma_t, linesearch
-    "coupled_independent": ("coupled", {"sigma": "independent"}),  # previous default: per-pixel Sigma_t
+    "coupled": ("coupled", {}),                                # library default: per-pixel Sigma_t, linesearch
+    "coupled_jacobian_ls": ("coupled", {"sigma": "jacobian"}),  # Jacobian Sigma_t, linesearch (1 backward)
     "coupled_project": ("coupled", {"sigma": "independent", "project": True}),  # + exact projection on observed pixels
     "coupled_linear": ("coupled", {"step": "linear"}),         # DESIGN.md's plain linear step
     "coupled_prox5": ("coupled", {"step": "prox", "inner_steps": 5}),  # ~converged prox: exact Gaussian tilt
@@ -301,8 +301,8 @@ def _fmt_opt(v: float | None, nd: int = 2) -> str:
 NOTES = {
     "none": "unguided samples from the same noise: the floor",
     "naive": "no model",
-    "coupled": "library default: linesearch endpoint step with the Jacobian (Tweedie) Sigma_t, one backward pass per step",
-    "coupled_independent": "the previous default: linesearch endpoint step, Sigma_t from the per-pixel data variance",
+    "coupled": "library default: linesearch endpoint step, Sigma_t from the per-pixel data variance",
+    "coupled_jacobian_ls": "linesearch endpoint step with the Jacobian (Tweedie) Sigma_t, one backward pass per step",
     "coupled_project": "coupled + exact projection of the observed pixels onto the (noisy) measurement "
                        "at every step; its scale changes nothing here: with a diagonal Sigma_t the endpoint "
                        "step only moves observed pixels, which the projection then overwrites",

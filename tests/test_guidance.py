@@ -89,7 +89,7 @@ def test_coupled_is_exact_for_gaussian_data_and_a_linear_cost():
         t = t[:, None]
         return (m + t * s2 / (t * t * s2 + (1 - t) ** 2) * (x - t * m) - x) / (1 - t)
     x0 = torch.randn(20000, 2, generator=torch.Generator().manual_seed(0))
-    for opts in ({"sigma": "independent"}, {}):  # the diagonal Sigma_t, and the default's Jacobian one
+    for opts in ({}, {"sigma": "jacobian"}):  # the default's diagonal Sigma_t, and the Jacobian one
         x = guidance.sample(v, x0, 50, guide=guidance.make("coupled", cost=costs.LinearCost(a), s2=s2, **opts))
         assert torch.allclose(x.mean(0), m - s2 * a, atol=0.03), opts
         assert torch.allclose(x.var(0), torch.full((2,), s2), atol=0.03), opts
@@ -100,7 +100,7 @@ def test_coupled_uses_the_network_like_unguided_sampling():
     x0 = torch.randn(8, 4, 3, generator=torch.Generator().manual_seed(0))
     cost = costs.LimitCost(-0.1, 0.1)
     _, plain = guidance.sample(net, x0, 10, return_stats=True)
-    for opts in ({"sigma": "independent"}, {"step": "prox"}, {"step": "trust", "sigma": "independent"},
+    for opts in ({}, {"step": "prox"}, {"step": "trust", "sigma": "independent"},
                  {"step": "sampled"}, {"step": "tilted_is"}, {"sigma": "identity"}, {"step": "linear", "sigma": 0.3},
                  {"sigma": "independent", "renoise": 0.6}):
         x, st = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0, **opts),
@@ -112,9 +112,9 @@ def test_coupled_uses_the_network_like_unguided_sampling():
     _, st = guidance.sample(net, x0, 10, guide=guidance.make("velocity_gradient", cost=cost, scale=2.0),
                             return_stats=True)
     assert st.n_backward == 10 and net.backward_calls == 10
-    # the Jacobian Sigma_t estimate -- the default -- is the coupled variant that pays a backward
-    # pass (t > 0), with or without the line search
-    for opts in ({}, {"sigma": "jacobian", "step": "linear"}):
+    # the Jacobian Sigma_t estimate is the coupled variant that pays a backward pass (t > 0), with
+    # or without the line search
+    for opts in ({"sigma": "jacobian"}, {"sigma": "jacobian", "step": "linear"}):
         _, st = guidance.sample(net, x0, 10, guide=guidance.make("coupled", cost=cost, scale=2.0, **opts),
                                 return_stats=True)
         assert st.nfe == 10 and st.n_backward == 9, opts
