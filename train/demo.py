@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import torch
 import tyro
 
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     diag = {}
     for name, d in (("BC", bc_dir), ("BC+CIG", cig_dir)):
         pol = policies.load(d / "ckpt")
+        torch.manual_seed(a.seed)  # the flow sampler's noise: the same checkpoints give the same table
         ev = evaluate(pol, "maniskill/TabletopSuite-v1", a.eval_episodes, seed=a.seed + 90_000,
                       env_options={"layout": "random"}, instructions=list(a.instructions)).to_dict()
         ev_in = evaluate(pol, "maniskill/TabletopSuite-v1", a.eval_episodes, seed=a.seed + 95_000,
