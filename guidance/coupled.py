@@ -83,19 +83,13 @@ class CoupledGuidance(Guidance):
     name = "coupled"
 
     def __init__(self, cost: Cost | Callable | str | None = None, scale: float = 1.0, *,
-                 step: str | None = None, sigma: str | float | None = None, s2: float | Tensor | None = None,
+                 step: str = "linesearch", sigma: str | float = "independent", s2: float | Tensor | None = None,
                  inner_steps: int = 5, radius: float = 1.0, n_particles: int = 32, seed: int = 0,
                  project: Any = None, noise_endpoint: str = "rederived", renoise: float = 0.0,
                  renoise_schedule: str = "constant", **common: Any) -> None:
         super().__init__(cost, scale, **common)
         # The default: diagonal (independent) Sigma_t with the line-search step; see the docstring
         # for why the Jacobian Sigma_t, more accurate on the exact testbeds, is not the default.
-        if sigma is None:
-            sigma = "independent"
-        if step is None:
-            step = "linesearch"
-
-
         if step not in STEPS:
             raise InvalidOptionError(f"unknown coupled step {step!r}; valid steps: {', '.join(STEPS)}")
         if isinstance(sigma, str):
