@@ -93,6 +93,7 @@ def evaluate_collision(policy: Any, method: str = "none", scale: float = 0.0, ep
     for i in range(episodes):
         obs, info = env.reset(seed=seed + i)
         policy.reset()
+        torch.manual_seed(seed + i)  # the flow sampler's noise: a rerun gives the same rates
         queue: list[np.ndarray] = []
         collided = False
         success = False
