@@ -172,7 +172,7 @@ def adroit_system(quick: bool) -> System:
 
 def worldmodel_system(quick: bool, workdir: Path, seed: int) -> System:
     from envs.world_model import load_world_model_env
-    from train.dataset import DatasetWriter
+    from dataset import DatasetWriter
     from train.world_model import train_world_model
     pi = DapgMeanPolicy("door")
     ckpt = workdir / "door_world_model"

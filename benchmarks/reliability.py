@@ -135,7 +135,7 @@ def one_error_line(err: str, cmd: str) -> str:
 # ----- small fixtures (as in tests/test_reliability_data.py) ------------------------------------
 
 def _episode(T: int = 10, S: int = 5, A: int = 3, seed: int = 0):
-    from train.dataset import Episode
+    from dataset import Episode
     rng = np.random.default_rng([SEED, seed])
     return Episode(state=rng.normal(size=(T, S)).astype(np.float32), action=rng.normal(size=(T, A)).astype(np.float32),
                    reward=rng.normal(size=T).astype(np.float32), success=np.arange(T) == T - 1,
@@ -144,7 +144,7 @@ def _episode(T: int = 10, S: int = 5, A: int = 3, seed: int = 0):
 
 
 def _write(path: Path, n: int = 3, **kw: Any) -> Path:
-    from train.dataset import DatasetWriter
+    from dataset import DatasetWriter
     with DatasetWriter(path, "test/env", 5, 3, **kw) as w:
         for i in range(n):
             w.add(_episode(seed=i))
@@ -153,7 +153,7 @@ def _write(path: Path, n: int = 3, **kw: Any) -> Path:
 
 def _same_episodes(path: Path, seeds: list[int], allow_incomplete: bool = False) -> str | None:
     """None if ``path`` holds exactly the episodes ``_episode(seed=s)``; else what differs."""
-    from train.dataset import Dataset
+    from dataset import Dataset
     with Dataset(path, allow_incomplete=allow_incomplete) as ds:
         if len(ds) != len(seeds):
             return f"{len(ds)} episodes, expected {len(seeds)}"
@@ -216,7 +216,7 @@ class _Payload:
 def case_dataset_concurrent_writer(tmp: Path) -> Result:
     """A writer (what `groundflow collect` holds) is mid-run when a real `groundflow collect
     --overwrite` process targets the same path."""
-    from train.dataset import DatasetWriter
+    from dataset import DatasetWriter
     path = tmp / "d.h5"
     w = DatasetWriter(path, "test/env", 5, 3)
     w.add(_episode(seed=0))
@@ -244,7 +244,7 @@ def case_dataset_stale_partial(tmp: Path) -> Result:
     """`groundflow collect` SIGKILLed mid-write (100 times, at random sizes of its .partial), then re-run
     without --overwrite; what the killed run had flushed must stay readable."""
     from deploy.procs import popen_tied
-    from train.dataset import Dataset
+    from dataset import Dataset
     rng = np.random.default_rng(SEED)
     kills = 100
     results, kept, lost = [], [], []
@@ -305,7 +305,7 @@ def case_dataset_stale_partial(tmp: Path) -> Result:
 
 
 def case_dataset_target_appeared(tmp: Path) -> Result:
-    from train.dataset import DatasetWriter
+    from dataset import DatasetWriter
     path = tmp / "d.h5"
     w = DatasetWriter(path, "test/env", 5, 3)
     w.add(_episode(seed=0))
@@ -339,7 +339,7 @@ def case_dataset_flipped_action_bytes(tmp: Path) -> Result:
 def _damaged_header(tmp: Path, damage: Callable[[Any], None], needle: str) -> Result:
     import h5py
 
-    from train.dataset import Dataset
+    from dataset import Dataset
     path = _write(tmp / "d.h5")
     with h5py.File(path, "r+") as f:
         damage(f)
@@ -362,7 +362,7 @@ def case_dataset_missing_episodes(tmp: Path) -> Result:
 
 def case_dataset_heavily_corrupted(tmp: Path) -> Result:
     """2 KB of random bytes at 10 offsets (header, B-trees, heaps, data); read everything back."""
-    from train.dataset import Dataset
+    from dataset import Dataset
     path = _write(tmp / "d.h5")
     clean = path.read_bytes()
     rng = np.random.default_rng(SEED)
@@ -392,7 +392,7 @@ def case_dataset_heavily_corrupted(tmp: Path) -> Result:
 
 def case_dataset_nan_state(tmp: Path) -> Result:
     from train.data import ChunkData
-    from train.dataset import Dataset, DatasetWriter
+    from dataset import Dataset, DatasetWriter
     src = _write(tmp / "ok.h5")
     bad = tmp / "nan.h5"
     with Dataset(src) as ds, DatasetWriter(bad, "test/env", 5, 3) as w:
@@ -782,7 +782,7 @@ def case_deploy_interrupted_reason(tmp: Path) -> Result:
     """Ctrl+C twice on a running `groundflow deploy --record` (a real process)."""
     from deploy.scripted import JointTargetPolicy
     from deploy.server import PolicyServer
-    from train.dataset import Dataset
+    from dataset import Dataset
     rec = tmp / "rec.h5"
     with PolicyServer(JointTargetPolicy(STATE, ACTION, HOME, gripper=1.0), port=0) as srv:
         proc = _deploy_proc(srv.address, "--max-steps", "400", "--record", str(rec))
@@ -822,7 +822,7 @@ def case_debugging_rollout_bound(tmp: Path) -> Result:
     it announces (``rollout_budget``: T + 2 plus its slack)."""
     from deploy.debugging import DebugConfig, Outcome, debug
     from envs.base import GroundflowEnv
-    from train.dataset import Episode
+    from dataset import Episode
 
     class Integrator(GroundflowEnv):
         """x <- x + a / 16 (exact in float32), reward 1 per step; the state is the observation."""

@@ -44,7 +44,7 @@ from deploy.debugging_rollouts import (CHANNELS, NC, DebuggingError, EnvModel, H
                                        Outcome, Residuals, RolloutBudgetExceeded, StateLayoutError, TrajectoryError,
                                        action_reproduction_error, compute_residuals, real_trajectory)
 from envs.base import GroundflowEnv
-from train.dataset import Episode
+from dataset import Episode
 
 __all__ = ["DebugConfig", "Outcome", "Attribution", "StepAttribution", "Ablation", "Prepared", "debug", "prepare",
            "attribute", "exhaustive_ablation", "DebuggingError", "TrajectoryError", "StateLayoutError",

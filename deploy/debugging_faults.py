@@ -25,7 +25,7 @@ import numpy as np
 from envs.base import GroundflowEnv
 from envs.errors import InvalidOptionError
 from envs.shifted import ShiftedEnv, evaluate_success, observe
-from train.dataset import Episode, EpisodeBuffer
+from dataset import Episode, EpisodeBuffer
 
 FAULT_KINDS = ("observation", "reward", "teleport", "mass_jump", "friction_jump")
 

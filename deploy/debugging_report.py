@@ -322,7 +322,7 @@ def _parse_scalar(v: str) -> Any:
 
 def run_debug(args: DebugArgs) -> dict[str, Any]:
     from deploy.debugging_rollouts import TrajectoryError
-    from train.dataset import Dataset, DatasetError
+    from dataset import Dataset, DatasetError
     try:
         with Dataset(args.real) as ds:
             if not 0 <= args.episode < len(ds):

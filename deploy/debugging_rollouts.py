@@ -37,7 +37,7 @@ import numpy as np
 from envs.base import GroundflowEnv
 from envs.errors import GroundflowError
 from envs.shifted import evaluate_success, observe
-from train.dataset import Episode
+from dataset import Episode
 
 CHANNELS = ("state", "reward", "observation")
 NC = len(CHANNELS)

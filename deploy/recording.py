@@ -1,4 +1,4 @@
-"""Recording deployed episodes in the project's dataset format (``train.dataset``).
+"""Recording deployed episodes in the project's dataset format (``dataset``).
 
 Each finished episode is appended and flushed to ``PATH.partial``; ``close()`` publishes
 ``PATH`` atomically. A crash leaves the episodes written so far readable with
@@ -22,7 +22,7 @@ from deploy.robot import Obs, RobotSpec
 class Recorder:
     def __init__(self, path: str | os.PathLike, spec: RobotSpec, env_id: str | None = None,
                  meta: dict[str, Any] | None = None, overwrite: bool = False):
-        from train.dataset import DatasetWriter
+        from dataset import DatasetWriter
         self.path = Path(path)
         self.spec = spec
         self.writer = DatasetWriter(self.path, env_id=env_id or spec.meta.get("env_id") or f"robot/{spec.name}",
@@ -36,7 +36,7 @@ class Recorder:
         self.n_episodes = 0
 
     def start_episode(self, instruction: str, task_id: int = 0, seed: int | None = None) -> None:
-        from train.dataset import EpisodeBuffer
+        from dataset import EpisodeBuffer
         self._buf = EpisodeBuffer(instruction or "", task_id=task_id, seed=seed)
 
     def add(self, obs: Obs, action: np.ndarray, reward: float = 0.0, success: bool = False,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from train.data import ChunkData
-from train.dataset import Dataset, DatasetError, DatasetWriter, Episode
+from dataset import Dataset, DatasetError, DatasetWriter, Episode
 
 
 def _episode(T=12, S=5, A=3, seed=0, instr="push the red cube", images=False):

@@ -20,7 +20,7 @@ from deploy.debugging_faults import DapgMeanPolicy, Fault, FaultyEnv, PushCubeCo
 from deploy.debugging_report import debug_command
 from envs.base import GroundflowEnv
 from envs.shifted import make_shifted
-from train.dataset import DatasetWriter, Episode
+from dataset import DatasetWriter, Episode
 
 torch.set_num_threads(1)
 DOOR_HINGE = 29  # door hinge angle in the Adroit door sim state (after MuJoCo's time entry)

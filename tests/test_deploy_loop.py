@@ -156,7 +156,7 @@ def test_recording_round_trip_and_evaluation_match_local_rollouts(tmp_path):
     import envs
     from deploy.evaluate import evaluate_via_server
     from envs.adroit import DapgExpert
-    from train.dataset import Dataset
+    from dataset import Dataset
 
     class ExpertPolicy:
         """The Adroit DAPG expert behind the policy interface (it acts from the state alone)."""

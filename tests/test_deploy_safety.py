@@ -194,7 +194,7 @@ class FaultyRobot(RecordingSimRobot):
 
 def test_driver_that_raises_is_held_logged_and_recording_stays_readable(tmp_path):
     from deploy.recording import Recorder
-    from train.dataset import Dataset
+    from dataset import Dataset
     robot = FaultyRobot("maniskill/PushCube-v1", env_options={"control_mode": "pd_ee_delta_pos"})
     robot.connect()
     try:

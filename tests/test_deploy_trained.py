@@ -9,7 +9,7 @@ from deploy.evaluate import evaluate_via_server
 from deploy.server import PolicyServer
 from train.bc import TrainArgs, train
 from train.collect import CollectArgs, collect
-from train.dataset import Dataset
+from dataset import Dataset
 
 
 def test_trained_checkpoint_served_to_a_sim_robot(tmp_path):

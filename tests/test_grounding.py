@@ -21,7 +21,7 @@ from policies.dual_branch import DualBranchFlow
 from train.cli import main as cli_main
 from train.collect import CollectArgs, collect
 from train.data import ChunkData
-from train.dataset import Dataset, DatasetError, DatasetWriter, EpisodeBuffer
+from dataset import Dataset, DatasetError, DatasetWriter, EpisodeBuffer
 from train.grounding_eval import evaluate_protocols
 from train.protocols import (ExpertPolicy, SwitchCase, paraphrase_eval, switch_cases, switch_eval,
                              switch_targets)

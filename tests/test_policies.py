@@ -216,7 +216,7 @@ def test_bad_inputs_are_named(tmp_path, push_data):
                         resume=True))
     assert s["steps"] == 6 and len(s["history"]) == 6
     # a corrupt sensor reading (NaN state) is refused when the data loads, naming the file and the episode
-    from train.dataset import Dataset, DatasetError, DatasetWriter
+    from dataset import Dataset, DatasetError, DatasetWriter
     src = Dataset(push_data)
     bad = tmp_path / "nan.h5"
     with DatasetWriter(bad, src.env_id, src.state_dim, src.action_dim) as w:

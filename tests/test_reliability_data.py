@@ -18,7 +18,7 @@ from policies import PolicyConfig
 from train.bc import TrainArgs, TrainingDivergedError, train
 from train.cli import main
 from train.data import ChunkData
-from train.dataset import Dataset, DatasetError, DatasetWriter, Episode
+from dataset import Dataset, DatasetError, DatasetWriter, Episode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_second_writer_is_refused_and_the_first_publishes_an_intact_file(tmp_pat
     w = DatasetWriter(path, "test/env", 5, 3)
     w.add(_episode(seed=0))
     # another process (what two `groundflow collect --out d.h5` runs are) ...
-    r = _run_py(f"from train.dataset import DatasetWriter\nDatasetWriter({str(path)!r}, 'test/env', 5, 3)")
+    r = _run_py(f"from dataset import DatasetWriter\nDatasetWriter({str(path)!r}, 'test/env', 5, 3)")
     assert r.returncode != 0 and "being written by another process" in r.stderr, r.stderr
     # ... and a second writer in this process, even with overwrite, are refused before touching the .partial
     with pytest.raises(DatasetError, match="being written by another process"):
@@ -75,7 +75,7 @@ def test_second_writer_is_refused_and_the_first_publishes_an_intact_file(tmp_pat
 def test_rerun_after_a_kill_keeps_the_partial_unless_overwrite(tmp_path):
     path = tmp_path / "d.h5"
     r = _run_py("import os, signal, sys\nsys.path.insert(0, 'tests')\n"
-                "from test_reliability_data import _episode\nfrom train.dataset import DatasetWriter\n"
+                "from test_reliability_data import _episode\nfrom dataset import DatasetWriter\n"
                 f"w = DatasetWriter({str(path)!r}, 'test/env', 5, 3)\nw.add(_episode())\n"
                 "os.kill(os.getpid(), signal.SIGKILL)")
     assert r.returncode == -9, r.stderr

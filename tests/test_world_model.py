@@ -12,7 +12,7 @@ import envs
 from envs.errors import InvalidOptionError
 from envs.shifted import PhysicsShift, ShiftedEnv, evaluate_success, make_shifted, observe, shift_env
 from envs.world_model import WorldModel, WorldModelError, load_world_model_env, make_world_model_env
-from train.dataset import DatasetError, DatasetWriter
+from dataset import DatasetError, DatasetWriter
 from train.world_model import train_world_model, world_model_command
 
 torch.set_num_threads(1)
@@ -109,7 +109,7 @@ def test_world_model_command_and_dataset_checks(door_data, tmp_path):
         train_world_model([door_data], out, steps=5)
     other = tmp_path / "other.h5"
     with DatasetWriter(other, "x", 3, 2) as w:
-        from train.dataset import Episode
+        from dataset import Episode
         w.add(Episode(state=np.zeros((4, 3), np.float32), action=np.zeros((4, 2), np.float32),
                       reward=np.zeros(4, np.float32), success=np.zeros(4, bool), instruction="x",
                       final_state=np.zeros(3, np.float32)))

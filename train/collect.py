@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 import envs
 from envs.errors import InvalidOptionError
-from train.dataset import DatasetWriter, EpisodeBuffer
+from dataset import DatasetWriter, EpisodeBuffer
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from train.dataset import Dataset, DatasetError
+from dataset import Dataset, DatasetError
 
 
 class ChunkData:

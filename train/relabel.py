@@ -41,7 +41,7 @@ from tqdm import tqdm
 import envs
 from envs.errors import InvalidOptionError
 from envs.shifted import observe
-from train.dataset import Dataset, DatasetError, DatasetWriter, Episode, EpisodeBuffer
+from dataset import Dataset, DatasetError, DatasetWriter, Episode, EpisodeBuffer
 
 
 @dataclass

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from envs.errors import InvalidOptionError
 from envs.world_model import WorldModel, WorldModelConfig
-from train.dataset import Dataset, DatasetError
+from dataset import Dataset, DatasetError
 
 
 @dataclass

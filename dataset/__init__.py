@@ -1,0 +1,8 @@
+"""The one episode/dataset format every layer shares (simulated demos, recorded robot episodes,
+debugging traces). It sits at the ground next to ``envs`` so that ``train`` and ``deploy`` both
+read and write it without importing each other; the HDF5 layout is documented in
+:mod:`dataset.hdf5`."""
+
+from dataset.hdf5 import FORMAT, VERSION, Dataset, DatasetError, DatasetWriter, Episode, EpisodeBuffer
+
+__all__ = ["FORMAT", "VERSION", "Dataset", "DatasetError", "DatasetWriter", "Episode", "EpisodeBuffer"]
