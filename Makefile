@@ -15,7 +15,7 @@ setup:
 	bash scripts/setup_venv.sh
 
 demo: setup
-	$(PY) -m train.demo $(ARGS)
+	$(PY) -m groundflow.demo $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

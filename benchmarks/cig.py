@@ -29,7 +29,8 @@ from common import DATA, RESULTS, ROOT, machine, md_table  # noqa: E402
 import tyro  # noqa: E402
 
 import policies  # noqa: E402
-from train.bc import CIGOptions, TrainArgs, train  # noqa: E402
+from train.bc import TrainArgs, train  # noqa: E402
+from train.cig import CIGOptions  # noqa: E402
 from train.collect import CollectArgs, collect  # noqa: E402
 from train.data import ChunkData  # noqa: E402
 from train.diagnose import diagnose, plot  # noqa: E402

@@ -38,7 +38,8 @@ import tyro  # noqa: E402
 
 import policies  # noqa: E402
 from envs.metrics import wilson  # noqa: E402
-from train.bc import CIGOptions, train  # noqa: E402
+from train.bc import train  # noqa: E402
+from train.cig import CIGOptions  # noqa: E402
 from train.collect import CollectArgs, collect  # noqa: E402
 from train.evaluate import evaluate  # noqa: E402
 from train.recipes import recipe_args  # noqa: E402

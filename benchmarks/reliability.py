@@ -90,7 +90,7 @@ def judge_exception(e: BaseException, *needles: str) -> Result:
 def cli(argv: list[str]) -> tuple[Any, str, str]:
     """``groundflow ARGV`` in this process: (exit code, stdout, stderr); an exception escaping
     main() is printed as the traceback a user would see."""
-    from train.cli import main
+    from groundflow.cli import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -220,7 +220,7 @@ def case_dataset_concurrent_writer(tmp: Path) -> Result:
     path = tmp / "d.h5"
     w = DatasetWriter(path, "test/env", 5, 3)
     w.add(_episode(seed=0))
-    r = run_py(["-m", "train.cli", "collect", "--env", "adroit/door", "--episodes", "2", "--out", str(path),
+    r = run_py(["-m", "groundflow.cli", "collect", "--env", "adroit/door", "--episodes", "2", "--out", str(path),
                 "--overwrite", "--no-progress", "--seed", str(SEED)], timeout=120)
     w.add(_episode(seed=1))
     try:
@@ -252,7 +252,7 @@ def case_dataset_stale_partial(tmp: Path) -> Result:
         kill_at = float(rng.uniform(0.05e6, 1.2e6))  # bytes in the .partial when the kill comes (~0.17 MB/episode)
         path = tmp / f"d{i}.h5"
         partial = path.with_name(path.name + ".partial")
-        proc = popen_tied([sys.executable, "-m", "train.cli", "collect", "--env", "adroit/door", "--episodes",
+        proc = popen_tied([sys.executable, "-m", "groundflow.cli", "collect", "--env", "adroit/door", "--episodes",
                            "5000", "--out", str(path), "--seed", str(SEED + i)], cwd=ROOT,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1"})
@@ -731,7 +731,7 @@ def case_idle_clients(tmp: Path) -> Result:
 
 def _deploy_proc(address: str, *extra: str):
     from deploy.procs import popen_tied
-    return popen_tied([sys.executable, "-m", "train.cli", "deploy", "--robot", "sim", "--server", address,
+    return popen_tied([sys.executable, "-m", "groundflow.cli", "deploy", "--robot", "sim", "--server", address,
                        "--episodes", "1", "--no-status", "--seed", str(SEED), *extra], cwd=ROOT,
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                       env={**os.environ, "OMP_NUM_THREADS": "1"})

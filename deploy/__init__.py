@@ -21,11 +21,11 @@ _EXPORTS = {
     "PolicyServer": "deploy.server", "PolicyClient": "deploy.client", "LocalPolicy": "deploy.client",
     "SafetyLayer": "deploy.safety", "SafetyConfig": "deploy.safety",
     "ControlLoop": "deploy.control", "LoopConfig": "deploy.control", "EpisodeResult": "deploy.control",
-    "Recorder": "deploy.recording", "RTCConfig": "deploy.rtc", "JointTargetPolicy": "deploy.scripted",
+    "Recorder": "deploy.recording", "RTCConfig": "policies.rtc", "JointTargetPolicy": "deploy.scripted",
     "evaluate_via_server": "deploy.evaluate",
     "debug": "deploy.debugging", "prepare": "deploy.debugging", "attribute": "deploy.debugging",
     "exhaustive_ablation": "deploy.debugging", "DebugConfig": "deploy.debugging", "Outcome": "deploy.debugging",
-    "Attribution": "deploy.debugging", "debug_command": "deploy.debugging",
+    "Attribution": "deploy.debugging", "debug_command": "deploy.debugging_report",
     "Fault": "deploy.debugging_faults", "FaultyEnv": "deploy.debugging_faults",
     "record_episode": "deploy.debugging_faults",
 }

@@ -25,6 +25,8 @@ import numpy as np
 
 from deploy import protocol
 from deploy.errors import HandshakeError, PolicyUnavailableError, ProtocolError, ServerError
+from deploy.inference import infer_chunk, policy_metadata
+from policies.rtc import RTCConfig
 
 
 @dataclass
@@ -244,24 +246,16 @@ class LocalPolicy:
     """A policy in this process behind the ``PolicyClient`` interface (no network): for
     simulation runs and to measure what the transport costs."""
 
-    def __init__(self, policy: Any):
-        from deploy.rtc import RTCConfig, supports_rtc
-        from deploy.server import policy_metadata
+    def __init__(self, policy: Any, rtc: RTCConfig | None = None):
         self.policy = policy
-        self.metadata = policy_metadata(policy, protocol.MAX_MESSAGE_BYTES, supports_rtc(policy))
-        self.rtc_config = RTCConfig()
+        self.metadata = policy_metadata(policy, protocol.MAX_MESSAGE_BYTES)
+        self.rtc_config = rtc or RTCConfig()
         self.healthy = True
 
     def infer(self, obs: dict[str, Any], *, prefix: np.ndarray | None = None, frozen: int = 0,
               seed: int | None = None) -> ChunkReply:
-        from deploy.rtc import prefix_guide
-        kwargs: dict[str, Any] = {}
-        if seed is not None:
-            _seed_everything(seed)
-        if prefix is not None:
-            kwargs["guide"] = prefix_guide(self.policy, prefix, frozen, self.rtc_config)
         t0 = time.perf_counter()
-        actions = np.asarray(self.policy.predict_action_chunk(obs, **kwargs), np.float32)
+        actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config)
         ms = (time.perf_counter() - t0) * 1e3
         return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"], _announced_bounds(self.metadata)),
                           {"infer_ms": ms, "rtt_ms": ms, "overhead_ms": 0.0})
@@ -273,11 +267,3 @@ class LocalPolicy:
     def close(self) -> None:
         pass
 
-
-def _seed_everything(seed: int) -> None:
-    """Seed numpy, and torch when the policy uses it (never import torch just to seed it)."""
-    import sys
-    np.random.seed(seed % (2 ** 32))
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(seed)

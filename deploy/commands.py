@@ -5,19 +5,35 @@
     groundflow deploy --robot franka --robot-host 172.16.0.2 --server 10.0.0.5:8000 --record runs/rec.h5
     groundflow deploy --robot sim --lockstep --episodes 20     (evaluation through the server)
 
-``serve(argv)`` and ``deploy(argv)`` parse with tyro; train/cli.py registers them.
+``serve(argv)`` and ``deploy(argv)`` parse with tyro; the command table in groundflow/cli.py names them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
 
+import policies
+from deploy import protocol
+from deploy.client import PolicyClient, parse_address
+from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
+from deploy.errors import DeployError
+from deploy.franka import FrankaRobot
+from deploy.franka_sim import FrankySim
+from deploy.recording import Recorder
+from deploy.safety import SafetyConfig, SafetyLayer
+from deploy.scripted import JointTargetPolicy
+from deploy.server import PolicyServer
+from deploy.sim_robot import SimRobot
+from deploy.ur import URRobot
+from deploy.xarm import XArmRobot
 from envs.errors import InvalidOptionError
+from policies.rtc import RTCConfig
 
 
 @dataclass
@@ -108,9 +124,7 @@ def load_policy(args: ServeArgs):
     if (args.ckpt is None) == (args.scripted is None):
         raise InvalidOptionError("give exactly one of --ckpt DIR or --scripted joint_target")
     if args.ckpt is not None:
-        import policies
         return policies.load(args.ckpt, device=args.device)
-    from deploy.scripted import JointTargetPolicy
     if args.state_dim <= 0 or args.action_dim <= 0 or not args.target:
         raise InvalidOptionError("--scripted joint_target needs --state-dim, --action-dim and --target")
     return JointTargetPolicy(args.state_dim, args.action_dim, args.target)
@@ -119,8 +133,6 @@ def load_policy(args: ServeArgs):
 def serve(argv: list[str]) -> None:
     args = tyro.cli(ServeArgs, args=argv, prog="groundflow serve")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from deploy.rtc import RTCConfig
-    from deploy.server import PolicyServer
     policy = load_policy(args)
     server = PolicyServer(policy, args.host, args.port, max_message_bytes=int(args.max_message_mb * 2 ** 20),
                           rtc=RTCConfig(sigma=args.rtc_sigma), idle_timeout_s=args.idle_timeout or None,
@@ -138,7 +150,6 @@ def serve(argv: list[str]) -> None:
 def _stop_on_sigterm() -> None:
     """SIGTERM (service managers, ``kill``) and SIGINT stop the server like Ctrl+C does. SIGINT is set
     explicitly: a process started in the background of a non-interactive shell inherits it ignored."""
-    import signal
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -150,36 +161,25 @@ def _stop_on_sigterm() -> None:
 def make_robot(args: DeployArgs, stack: list):
     """The robot for ``args`` (and, with --franky-sim, the simulator it talks to)."""
     if args.robot == "sim":
-        from deploy.sim_robot import SimRobot
         opts = {"control_mode": args.control_mode} if args.control_mode else {}
         return SimRobot(args.env, env_options=opts, seed=args.seed, latency_s=args.latency_ms / 1e3,
                         obs_noise=args.obs_noise, action_delay=args.action_delay, realtime=not args.lockstep)
     if args.robot == "franka":
-        from deploy.franka import FrankaRobot
         host = args.robot_host
         if args.franky_sim:
-            from deploy.franka_sim import FrankySim
             sim = FrankySim().start()
             stack.append(sim)
             host = sim.host
         return FrankaRobot(host, instruction=args.instruction or "", control_rate_hz=args.rate,
                            relative_dynamics_factor=args.relative_dynamics)
     if args.robot == "ur":
-        from deploy.ur import URRobot
         return URRobot(args.robot_host, instruction=args.instruction or "", control_rate_hz=args.rate)
-    from deploy.xarm import XArmRobot
     return XArmRobot(args.robot_host, instruction=args.instruction or "", control_rate_hz=args.rate)
 
 
 def deploy(argv: list[str]) -> None:
     args = tyro.cli(DeployArgs, args=argv, prog="groundflow deploy")
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
-    from deploy import protocol
-    from deploy.client import PolicyClient, parse_address
-    from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
-    from deploy.errors import DeployError
-    from deploy.recording import Recorder
-    from deploy.safety import SafetyConfig, SafetyLayer
     if args.episodes < 1:
         raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
     host, port = parse_address(args.server)

@@ -29,34 +29,12 @@ import numpy as np
 
 from deploy import protocol
 from deploy.errors import ProtocolError
-from deploy.rtc import RTCConfig, prefix_guide, supports_rtc
+from deploy.inference import action_bounds, infer_chunk, policy_metadata, supports_prefix
 from envs.errors import InvalidOptionError
+from policies.model import NULL_INSTRUCTION
+from policies.rtc import RTCConfig
 
 log = logging.getLogger("groundflow.deploy.server")
-
-
-def action_bounds(policy: Any, margin: float = protocol.ACTION_MARGIN) -> tuple[np.ndarray, np.ndarray] | None:
-    """The policy's trained action range (its normalizer's) widened by ``margin``; None without one."""
-    norm = getattr(policy, "normalizer", None)
-    if norm is None or not hasattr(norm, "action_min"):
-        return None
-    lo, hi = (np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x, np.float64).reshape(-1)
-              for x in (norm.action_min, norm.action_max))
-    return protocol.widen_bounds(lo, hi, margin)
-
-
-def policy_metadata(policy: Any, max_message_bytes: int, rtc: bool,
-                    margin: float = protocol.ACTION_MARGIN) -> dict[str, Any]:
-    c = policy.config
-    bounds = action_bounds(policy, margin)
-    return {"type": "metadata", "protocol": protocol.PROTOCOL, "version": protocol.VERSION,
-            "action_dim": int(c.action_dim), "state_dim": int(c.state_dim), "cameras": list(c.cameras),
-            "image_size": int(getattr(c, "image_size", 0) or 0), "horizon": int(c.horizon),
-            "n_exec": int(getattr(c, "n_exec", c.horizon)), "policy_kind": str(getattr(c, "kind", "")),
-            "rtc": bool(rtc), "max_message_bytes": int(max_message_bytes),
-            "action_low": None if bounds is None else bounds[0].tolist(),
-            "action_high": None if bounds is None else bounds[1].tolist(),
-            "max_instruction_chars": protocol.MAX_INSTRUCTION_CHARS}
 
 
 def check_hello(meta: dict[str, Any], hello: dict[str, Any]) -> str | None:
@@ -79,7 +57,7 @@ def check_hello(meta: dict[str, Any], hello: dict[str, Any]) -> str | None:
 
 
 class PolicyServer:
-    """Serve ``policy`` (``predict_action_chunk(obs, **kw) -> (H, A)``, ``config``, ``reset``)."""
+    """Serve ``policy`` (the interface ``deploy.inference`` describes)."""
 
     def __init__(self, policy: Any, host: str = "127.0.0.1", port: int = 8000, *,
                  max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, rtc: RTCConfig | None = None,
@@ -94,8 +72,8 @@ class PolicyServer:
         self.host, self._port = host, int(port)
         self.max_message_bytes = int(max_message_bytes)
         self.rtc_config = rtc or RTCConfig()
-        self.rtc = supports_rtc(policy)
-        self.metadata = policy_metadata(policy, self.max_message_bytes, self.rtc, action_margin)
+        self.rtc = supports_prefix(policy)
+        self.metadata = policy_metadata(policy, self.max_message_bytes, action_margin)
         self.bounds = action_bounds(policy, action_margin)
         self.hello_timeout_s = hello_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -270,7 +248,7 @@ class PolicyServer:
         try:
             with self._lock:
                 t2 = time.perf_counter()
-                actions = self._infer(obs, prefix, frozen, seed)
+                actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config)
                 t3 = time.perf_counter()
             actions = np.asarray(actions, dtype=np.float32)
             if actions.ndim != 2 or actions.shape[1] != self.metadata["action_dim"]:
@@ -295,7 +273,6 @@ class PolicyServer:
         lang = self.lang
         if lang is None or not hasattr(lang, "knows") or lang.knows(text):
             return None
-        from policies.model import NULL_INSTRUCTION
         if text == NULL_INSTRUCTION:
             return None  # the model's learned "no instruction" condition
         if self.paraphrases <= 0:
@@ -305,12 +282,3 @@ class PolicyServer:
                     f"{listed or 'no instructions'} (serve with --paraphrases N to encode others)")
         lang.warm([text])
         return None
-
-    def _infer(self, obs: dict, prefix: np.ndarray | None, frozen: int, seed: int | None) -> np.ndarray:
-        kwargs: dict[str, Any] = {}
-        if seed is not None:
-            from deploy.client import _seed_everything
-            _seed_everything(seed)
-        if prefix is not None:
-            kwargs["guide"] = prefix_guide(self.policy, prefix, frozen, self.rtc_config)
-        return self.policy.predict_action_chunk(obs, **kwargs)

@@ -17,13 +17,14 @@ and ``guidance.distances`` (imported on demand); results in benchmarks/results/g
 """
 
 from guidance import costs, geometry, operators
+from guidance.accounting import SampleStats
 from guidance.base import SCHEDULES, Guidance
 from guidance.baselines import (ClassifierFreeGuidance, MonteCarloGuidance, NoGuidance,
                                 StateGradientGuidance, VelocityGradientGuidance)
 from guidance.costs import Cost, Projection, make_cost
 from guidance.coupled import CoupledGuidance, PnPRenoiseGuidance
 from guidance.methods import METHODS, make
-from guidance.sampler import SampleStats, sample
+from guidance.sampler import sample
 
 __all__ = ["sample", "make", "METHODS", "SCHEDULES", "Guidance", "SampleStats", "CoupledGuidance",
            "PnPRenoiseGuidance", "NoGuidance", "VelocityGradientGuidance", "StateGradientGuidance",

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from envs.errors import InvalidOptionError
 from guidance.costs import COSTS, Cost, Projection, as_cost, make_cost
-from guidance.sampler import SampleStats, VelocityCaller
+from guidance.accounting import SampleStats, VelocityCaller
 
 SCHEDULES: dict[str, Callable[[float], float]] = {
     "constant": lambda t: 1.0,

@@ -18,7 +18,7 @@ from torch import Tensor
 from envs.errors import InvalidOptionError
 from guidance.base import Guidance, sanitize
 from guidance.costs import Cost
-from guidance.sampler import VelocityCaller
+from guidance.accounting import VelocityCaller
 
 
 class NoGuidance(Guidance):

@@ -65,7 +65,7 @@ from torch import Tensor
 from envs.errors import InvalidOptionError
 from guidance.base import Guidance, clip_norm, resolve_projection, sanitize
 from guidance.costs import Cost
-from guidance.sampler import VelocityCaller
+from guidance.accounting import VelocityCaller
 
 SIGMAS = ("independent", "identity", "jacobian")
 STEPS = ("linear", "linesearch", "prox", "trust", "sampled", "tilted_is")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from envs.errors import CheckpointError
 from policies.autoregressive import AutoregressiveVLA
 from policies.base import Policy
 from policies.config import SIZES, PolicyConfig
@@ -25,7 +26,6 @@ def make_policy(config: PolicyConfig) -> VLAModel:
 
 def load(directory: str | os.PathLike, device: str = "cpu") -> VLAModel:
     """Load a checkpoint written by ``policy.save(dir)``."""
-    from envs.errors import CheckpointError
     meta = read_checkpoint_meta(directory)
     try:
         config = PolicyConfig.from_dict(meta["config"])

@@ -159,13 +159,19 @@ class AutoregressiveVLA(VLAModel):
         return x
 
     # ----- instruction scores (CIG) ---------------------------------------------------------
-    def instruction_scores(self, batch: dict[str, Any], candidates: list[list[str]], tau: float = 1.0,
-                           **_: Any) -> torch.Tensor:
-        """s(l) = log p(a | o, l) (exact), (B, K); tau rescales for the softmax."""
+    def instruction_scores(self, batch: dict[str, Any], candidates: list[list[str]], *, tau: float | None = None,
+                           draws: int = 4, generator: torch.Generator | None = None,
+                           detach_negatives: bool = False) -> torch.Tensor:
+        """s(l) = log p(a | o, l) (exact: ``draws`` and ``generator`` are not needed), (B, K); tau
+        rescales for the softmax."""
+        tau = self.score_tau if tau is None else tau
         B, K = len(candidates), len(candidates[0])
         flat = _expand({k: v for k, v in batch.items() if k in ("state", "images", "action", "action_pad")}, K)
         flat["instruction"] = [l for cands in candidates for l in cands]
-        return self.log_likelihood(flat).view(B, K) / tau
+        scores = self.log_likelihood(flat).view(B, K) / tau
+        if detach_negatives:
+            scores = torch.cat([scores[:, :1], scores[:, 1:].detach()], 1)
+        return scores
 
     def conditioning_features(self, batch: dict[str, Any], seed: int = 0) -> list[torch.Tensor]:
         prefix, pad = self.prefix(batch)

@@ -27,6 +27,7 @@ import torch
 
 from envs.errors import InvalidOptionError
 from envs.suite import normalize
+from guidance.sampler import sample
 from policies.flow import FlowMatchingVLA, _expand
 from policies.model import NULL_INSTRUCTION, VLAModel
 
@@ -95,7 +96,6 @@ class DualBranchFlow:
                       n_steps: int | None = None, weight: float | None = None,
                       return_stats: bool = False) -> Any:
         """Normalized chunks (B, H, A) from the dual-branch velocity (``guide``: as the policy's)."""
-        from guidance.sampler import sample
         p, c = self.policy, self.policy.config
         w = self.weight if weight is None else float(weight)
         prefix, pad = p.prefix(batch)

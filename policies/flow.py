@@ -11,12 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from guidance.sampler import sample
 from policies.config import PolicyConfig
 from policies.model import VLAModel, sinusoidal
 
 
 class FlowMatchingVLA(VLAModel):
     kind = "flow"
+    supports_prefix = True
+    score_tau = 0.1
 
     def __init__(self, config: PolicyConfig):
         super().__init__(config)
@@ -88,7 +91,6 @@ class FlowMatchingVLA(VLAModel):
 
         x0 = torch.randn(B, c.horizon, c.action_dim, device=self.device) if noise is None else noise.to(self.device)
         steps = n_steps or c.flow_steps
-        from guidance.sampler import sample
         var = self.normalizer.action_variance()
         return sample(velocity, x0, n_steps=steps, guide=guide, return_stats=return_stats,
                       data_variance=None if var is None else var.to(x0.device).expand(c.horizon, c.action_dim))
@@ -139,10 +141,12 @@ class FlowMatchingVLA(VLAModel):
             err = (((v - (xx1 - xx0)) ** 2).mean(-1) * vv).sum(-1) / vv.sum(-1).clamp_min(1)
         return err.view(B, K, M).mean(-1)
 
-    def instruction_scores(self, batch: dict[str, Any], candidates: list[list[str]], tau: float = 0.1,
-                           n_draws: int = 4, generator: torch.Generator | None = None) -> torch.Tensor:
-        """s(l) = -E(a | o, l) / tau, (B, K)."""
-        return -self.energies(batch, candidates, n_draws, generator) / tau
+    def instruction_scores(self, batch: dict[str, Any], candidates: list[list[str]], *, tau: float | None = None,
+                           draws: int = 4, generator: torch.Generator | None = None,
+                           detach_negatives: bool = False) -> torch.Tensor:
+        """s(l) = -E(a | o, l) / tau, (B, K), from ``draws`` (t, x0) draws shared by all candidates."""
+        tau = self.score_tau if tau is None else tau
+        return -self.energies(batch, candidates, draws, generator, detach_negatives) / tau
 
     def conditioning_features(self, batch: dict[str, Any], t: float = 0.5, seed: int = 0) -> list[torch.Tensor]:
         """Per-layer mean action-token features at a fixed (t, noise): for the collapse curve."""

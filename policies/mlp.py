@@ -58,4 +58,5 @@ class MLPPolicy(VLAModel):
         return self.net(feats).view(feats.shape[0], self.config.horizon, self.config.action_dim)
 
     def instruction_scores(self, batch: dict[str, Any], candidates: list[list[str]], **_: Any) -> torch.Tensor:
+        """Not defined: the baseline is deterministic and has no likelihood."""
         raise NotImplementedError("the MLP baseline has no likelihood: CIG needs a flow or AR policy")

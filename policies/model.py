@@ -17,9 +17,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from envs.errors import CheckpointError, InvalidOptionError
 from policies.config import PolicyConfig
 from policies.language import LanguageEncoder, check_instruction
 from policies.normalizer import Normalizer
+from policies.rtc import RTCConfig, prefix_guide
 from policies.vision import ImageEncoder
 
 FORMAT = "groundflow-policy"
@@ -54,6 +56,9 @@ def sinusoidal(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 class VLAModel(nn.Module):
     kind = ""  # "flow" | "ar": the family a subclass implements, recorded in its config
+    supports_prefix = False
+    """True where ``predict_action_chunk`` can continue a committed plan (real-time chunking by
+    prefix inpainting, ``policies.rtc``): flow policies, whose sampler takes a guide"""
 
     def __init__(self, config: PolicyConfig):
         super().__init__()
@@ -177,8 +182,18 @@ class VLAModel(nn.Module):
             batch["images"] = {c: np.asarray(images[c], np.uint8)[None] for c in self.config.cameras}
         return batch
 
-    def predict_action_chunk(self, obs: dict[str, Any], **sampling: Any) -> np.ndarray:
-        """One (H, A) chunk in env units for one observation."""
+    def predict_action_chunk(self, obs: dict[str, Any], *, prefix: np.ndarray | None = None, frozen: int = 0,
+                             rtc: RTCConfig | None = None, **sampling: Any) -> np.ndarray:
+        """One (H, A) chunk in env units for one observation.
+
+        ``prefix`` (k, A) in env units: the plan already committed for the first steps this chunk
+        covers; the chunk continues it (its first ``frozen`` steps exactly, the rest of the
+        overlap softly, ``rtc`` options). Only where ``supports_prefix``."""
+        if prefix is not None:
+            if not self.supports_prefix:
+                raise InvalidOptionError(f"a {self.config.kind or type(self).__name__} policy cannot continue a "
+                                         "prefix (real-time chunking needs a flow policy)")
+            sampling["guide"] = prefix_guide(self, prefix, frozen, rtc)
         self.eval()
         with torch.no_grad():
             a = self.sample_chunks(self.obs_to_batch(obs), **sampling)
@@ -196,6 +211,23 @@ class VLAModel(nn.Module):
 
     def sample_chunks(self, batch: dict[str, Any], **sampling: Any) -> torch.Tensor:
         raise NotImplementedError
+
+    # ----- instruction scores (CIG, diagnostics) ----------------------------------------------
+    score_tau = 1.0
+    """default temperature of ``instruction_scores`` for this family"""
+
+    def instruction_scores(self, batch: dict[str, Any], candidates: list[list[str]], *, tau: float | None = None,
+                           draws: int = 4, generator: torch.Generator | None = None,
+                           detach_negatives: bool = False) -> torch.Tensor:
+        """(B, K) scores s(l) of how well each sample's action chunk fits candidate instruction l
+        (``candidates[b][0]`` is the commanded one); ``detach_negatives``: the other columns carry
+        no gradient. The one scoring interface CIG and the diagnostics use, whatever the family."""
+        raise NotImplementedError(f"a {self.kind or type(self).__name__} policy has no instruction score")
+
+    def action_range(self) -> tuple[np.ndarray, np.ndarray]:
+        """The trained action range per dimension (env units): what a served chunk is checked against."""
+        return (self.normalizer.action_min.detach().cpu().numpy().astype(np.float64),
+                self.normalizer.action_max.detach().cpu().numpy().astype(np.float64))
 
     # ----- statistics, persistence ----------------------------------------------------------
     def fit_normalizer(self, states: np.ndarray, actions: np.ndarray, instructions: list[str] | None = None) -> None:
@@ -252,7 +284,6 @@ def _resolve_checkpoint(d: Path, warn: bool = False) -> Path:
 def read_checkpoint_meta(directory: str | os.PathLike) -> dict:
     """The checkpoint's config.json; ``DIR.old`` when ``DIR`` is missing because a save() was
     interrupted between its two renames (the previous version is complete there)."""
-    from envs.errors import CheckpointError
     d = _resolve_checkpoint(Path(directory), warn=True)
     cfg = d / "config.json"
     if not cfg.is_file():
@@ -276,7 +307,6 @@ def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> V
     one-line CheckpointError naming the file (not a SafetensorError or a multi-line RuntimeError)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-    from envs.errors import CheckpointError
     d = _resolve_checkpoint(Path(directory))
     path = d / "model.safetensors"
     try:

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import policies
-from train.bc import CIGOptions
-from train.cig import CIGObjective, CounterfactualSampler
+from train.cig import CIGObjective, CIGOptions, CounterfactualSampler
 
 INSTR = ["push the red cube to the left goal", "push the red cube to the right goal",
          "push the blue cube to the left goal", "push the blue cube to the right goal"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from train.cli import main
+from groundflow.cli import main
 
 
 def test_lists_envs_and_commands(capsys):

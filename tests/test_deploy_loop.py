@@ -381,7 +381,7 @@ def test_an_interrupted_episode_is_recorded_with_its_real_reason(robot, tmp_path
 def test_deploy_exits_nonzero_when_the_policy_is_lost(tmp_path, capsys):
     import threading
 
-    from train.cli import main
+    from groundflow.cli import main
     release = threading.Event()
 
     class Stalls(JointTargetPolicy):

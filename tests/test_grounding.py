@@ -18,7 +18,7 @@ from envs.kitchen import CORRELATED, TASKS as KITCHEN_TASKS
 from envs.suite import Suite
 from policies import PolicyConfig, make_policy
 from policies.dual_branch import DualBranchFlow
-from train.cli import main as cli_main
+from groundflow.cli import main as cli_main
 from train.collect import CollectArgs, collect
 from train.data import ChunkData
 from dataset import Dataset, DatasetError, DatasetWriter, EpisodeBuffer

@@ -69,7 +69,7 @@ def test_unknown_recipe_is_named():
 
 def test_eval_on_the_instructions_a_checkpoint_was_trained_on(pick_ckpt, tmp_path):
     from policies.model import PolicyMismatchError
-    from train.cli import main
+    from groundflow.cli import main
     out = tmp_path / "eval.json"
     assert main(["eval", "--ckpt", str(pick_ckpt), "--suite", "tabletop", "--episodes", "2", "--instructions",
                  *PICK, "--out", str(out)]) == 0
@@ -82,7 +82,7 @@ def test_eval_on_the_instructions_a_checkpoint_was_trained_on(pick_ckpt, tmp_pat
 
 
 def test_recipe_sets_defaults_and_flags_override(two_picks, tmp_path):
-    from train.cli import main
+    from groundflow.cli import main
     out = tmp_path / "r"
     assert main(["train", "--recipe", "multitask", "--data", str(two_picks), "--steps", "2", "--batch-size", "8",
                  "--horizon", "2", "--out", str(out), "--wandb", "disabled", "--no-progress"]) == 0

@@ -16,7 +16,7 @@ import policies
 from envs.errors import CheckpointError
 from policies import PolicyConfig
 from train.bc import TrainArgs, TrainingDivergedError, train
-from train.cli import main
+from groundflow.cli import main
 from train.data import ChunkData
 from dataset import Dataset, DatasetError, DatasetWriter, Episode
 

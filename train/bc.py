@@ -19,45 +19,23 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+import tyro
 from tqdm import tqdm
 
 import policies
 from envs.errors import CheckpointError, GroundflowError
 from policies import PolicyConfig, make_policy
+from train.cig import CIGObjective, CIGOptions
 from train.data import ChunkData
 from train.logger import Logger
 
 
 class TrainingDivergedError(GroundflowError, FloatingPointError):
     """A non-finite loss: training stops before NaN weights reach a checkpoint."""
-
-
-@dataclass
-class CIGOptions:
-    """Counterfactual Instruction Grounding (see train/cig.py)."""
-
-    weight: float = 0.0
-    """lambda: weight of L_CIG in L = L_BC + lambda * L_CIG (0: plain BC)"""
-    negatives: int = 3
-    """K counterfactual instructions per sample"""
-    tau: float | None = None
-    """score temperature: flow s(l) = -E/tau (default 0.1), AR s(l) = log p / tau (default 1)"""
-    draws: int = 4
-    """M shared (t, x0) draws per flow energy"""
-    variant: Literal["full", "detached", "bounded", "pmi"] = "detached"
-    """full: gradient through every energy; detached: counterfactual energies detached (DESIGN.md's
-    probe kept ~73% with it); bounded: hinge on the margin; pmi: log p(a|o,l*) - log p(a|o,null)"""
-    margin: float = 1.0
-    """bounded variant: hinge margin on s(l*) - s(l')"""
-    batch: int = 0
-    """samples of each batch that get the CIG term (0: all); the term costs ~5x a BC step on the
-    whole batch, so a joint run can apply it to a sub-batch"""
-    paraphrases_as_negatives: bool = False
-    """never True in practice: a paraphrase is not a counterfactual (kept for the ablation guard)"""
 
 
 @dataclass
@@ -114,7 +92,7 @@ class TrainArgs:
     """continue from OUT/train_state.pt (the config must be unchanged)"""
     device: str = "auto"
     amp: Literal["auto", "bf16", "fp16", "none"] = "auto"
-    init_from: Path | None = None
+    init_from: Annotated[Path | None, tyro.conf.arg(aliases=("--from",))] = None
     """start from this checkpoint's weights (CIG continuation stage)"""
     progress: bool = True
 
@@ -194,7 +172,6 @@ def train(args: TrainArgs) -> dict[str, Any]:
     policy.lang.warm(data.instructions)
     cig = None
     if args.cig.weight > 0:
-        from train.cig import CIGObjective
         cig = CIGObjective(policy, data, args.cig, seed=args.seed)
     policy.to(device)
     ema = copy.deepcopy(policy).eval() if args.ema > 0 else None

@@ -6,6 +6,9 @@ with the (t, x0) draws shared by all candidates):
 
     L_CIG = -log softmax_{l in {l*} u C} s(l) [l*],      L = L_BC + lambda * L_CIG
 
+Options (``CIGOptions``), the loss (:func:`cig_loss`, pure on the scores) and the training-time
+objective (``CIGObjective``) live here; the scores are the policy's ``instruction_scores``.
+
 Variants (``CIGOptions.variant``): ``full`` (as above), ``detached`` (counterfactual scores carry
 no gradient: the model cannot satisfy the loss by making actions under l' arbitrary),
 ``bounded`` (hinge on s(l*) - s(l') with a margin), ``pmi`` (hinge on s(l*) - s(null), the
@@ -15,14 +18,64 @@ language-free branch).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+import tyro
 from torch.nn import functional as F
 
 from envs.suite import normalize
 from policies.model import NULL_INSTRUCTION
+
+VARIANTS = ("full", "detached", "bounded", "pmi")
+
+
+@dataclass
+class CIGOptions:
+    """Counterfactual Instruction Grounding: ``--cig.*`` of ``groundflow train``."""
+
+    weight: Annotated[float, tyro.conf.arg(aliases=("--cig-weight",))] = 0.0
+    """lambda: weight of L_CIG in L = L_BC + lambda * L_CIG (0: plain BC)"""
+    negatives: int = 3
+    """K counterfactual instructions per sample"""
+    tau: float | None = None
+    """score temperature: flow s(l) = -E/tau, AR s(l) = log p / tau (None: the policy family's
+    ``score_tau``)"""
+    draws: int = 4
+    """M shared (t, x0) draws per flow energy"""
+    variant: Literal["full", "detached", "bounded", "pmi"] = "detached"
+    """full: gradient through every energy; detached: counterfactual energies detached (DESIGN.md's
+    probe kept ~73% with it); bounded: hinge on the margin; pmi: log p(a|o,l*) - log p(a|o,null)"""
+    margin: float = 1.0
+    """bounded variant: hinge margin on s(l*) - s(l')"""
+    batch: int = 0
+    """samples of each batch that get the CIG term (0: all); the term costs ~5x a BC step on the
+    whole batch, so a joint run can apply it to a sub-batch"""
+    paraphrases_as_negatives: bool = False
+    """never True in practice: a paraphrase is not a counterfactual (kept for the ablation guard)"""
+
+
+def cig_loss(scores: torch.Tensor, variant: str, margin: float = 1.0) -> torch.Tensor:
+    """L_CIG from (B, K) scores whose column 0 is the commanded instruction.
+
+    full / detached: -log softmax(s)[0] (detached differs only in how the scores were computed);
+    bounded: mean_k relu(margin - (s_0 - s_k)); pmi (K = 2, column 1 the null instruction):
+    relu(margin - (s_0 - sg(s_1)))."""
+    if variant == "pmi":
+        return F.relu(margin - (scores[:, 0] - scores[:, 1].detach())).mean()
+    if variant == "bounded":
+        return F.relu(margin - (scores[:, :1] - scores[:, 1:])).mean()
+    if variant in ("full", "detached"):
+        return F.cross_entropy(scores, torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device))
+    raise ValueError(f"unknown CIG variant {variant!r}; valid: {', '.join(VARIANTS)}")
+
+
+def whole_suite_scenes(instructions: list[str]) -> dict[str, list[str]]:
+    """Hard negatives when every task of the suite is feasible from every initial state (true of
+    the tabletop and kitchen suites): each instruction's same-scene alternatives are all others."""
+    return {l: [c for c in instructions if c != l] for l in instructions}
 
 
 class CounterfactualSampler:
@@ -74,30 +127,29 @@ class CounterfactualSampler:
 
 
 class CIGObjective:
-    def __init__(self, policy: Any, data: Any, options: Any, seed: int = 0,
-                 paraphrases: dict[str, list[str]] | None = None):
+    """L_CIG on training batches: draws the counterfactuals, scores them through the policy's
+    ``instruction_scores`` and applies :func:`cig_loss`.
+
+    ``same_scene`` maps each instruction to the others demonstrated from the same scenes (hard
+    negatives, drawn first); default :func:`whole_suite_scenes`."""
+
+    def __init__(self, policy: Any, data: Any, options: CIGOptions, seed: int = 0,
+                 paraphrases: dict[str, list[str]] | None = None, same_scene: dict[str, list[str]] | None = None):
         self.policy, self.opt = policy, options
         if options.batch < 0:
             raise ValueError(f"CIG batch must be >= 0 (0: the whole batch), got {options.batch}")
         if options.paraphrases_as_negatives:
             raise ValueError("paraphrases are not counterfactual instructions; refusing paraphrases_as_negatives")
-        # every task of our suites is feasible from every initial state: same scene = whole suite
-        same = {l: [c for c in data.instructions if c != l] for l in data.instructions}
         if len(data.instructions) < 2:
             raise ValueError(f"CIG needs at least 2 instructions in the data, found {data.instructions}")
+        same = whole_suite_scenes(data.instructions) if same_scene is None else same_scene
         self.sampler = CounterfactualSampler(data.instructions, options.negatives, paraphrases, same)
         policy.lang.warm(data.instructions)
 
-    def scores(self, batch: dict[str, Any], cands: list[list[str]], gen: torch.Generator) -> torch.Tensor:
-        p, o = self.policy, self.opt
-        if p.config.kind == "flow":
-            E = p.energies(batch, cands, n_draws=o.draws, generator=gen,
-                           detach_negatives=o.variant == "detached")
-            return -E / (o.tau or 0.1)
-        s = p.instruction_scores(batch, cands, tau=o.tau or 1.0)
-        if o.variant == "detached":
-            s = torch.cat([s[:, :1], s[:, 1:].detach()], 1)
-        return s
+    def scores(self, batch: dict[str, Any], candidates: list[list[str]], gen: torch.Generator) -> torch.Tensor:
+        o = self.opt
+        return self.policy.instruction_scores(batch, candidates, tau=o.tau, draws=o.draws, generator=gen,
+                                              detach_negatives=o.variant == "detached")
 
     def loss(self, batch: dict[str, Any], gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         o = self.opt
@@ -105,22 +157,16 @@ class CIGObjective:
         if 0 < o.batch < n:  # the first o.batch samples (batches are already shuffled)
             batch = {k: (v[: o.batch] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == n else v)
                      for k, v in batch.items()}
-        cands = self.sampler.draw(list(batch["instruction"]), gen)
+        candidates = self.sampler.draw(list(batch["instruction"]), gen)
         if o.variant == "pmi":
-            cands = [[c[0], NULL_INSTRUCTION] for c in cands]
-            s = self.scores(batch, cands, gen)
-            loss = F.relu(o.margin - (s[:, 0] - s[:, 1].detach())).mean()
-        else:
-            s = self.scores(batch, cands, gen)
-            if o.variant == "bounded":
-                loss = F.relu(o.margin - (s[:, :1] - s[:, 1:])).mean()
-            else:
-                loss = F.cross_entropy(s, torch.zeros(s.shape[0], dtype=torch.long, device=s.device))
+            candidates = [[c[0], NULL_INSTRUCTION] for c in candidates]
+        scores = self.scores(batch, candidates, gen)
+        loss = cig_loss(scores, o.variant, o.margin)
         with torch.no_grad():
-            acc = (s.argmax(1) == 0).float().mean()
+            acc = (scores.argmax(1) == 0).float().mean()
         return loss, {"loss_cig": float(loss.detach()), "cig_id_acc": float(acc),
-                      "score_commanded": float(s[:, 0].mean().detach()),
-                      "score_counterfactual": float(s[:, 1:].mean().detach())}
+                      "score_commanded": float(scores[:, 0].mean().detach()),
+                      "score_counterfactual": float(scores[:, 1:].mean().detach())}
 
 
 @torch.no_grad()
@@ -135,7 +181,6 @@ def identification_accuracy(policy: Any, data: Any, n: int = 256, seed: int = 0,
     cands = [[l] + [c for c in instrs if c != l][: (k or len(instrs) - 1)] for l in batch["instruction"]]
     gen = torch.Generator().manual_seed(seed)
     policy.eval()
-    s = policy.instruction_scores(batch, cands, generator=gen) if policy.config.kind == "flow" else \
-        policy.instruction_scores(batch, cands)
+    s = policy.instruction_scores(batch, cands, generator=gen)
     hits = (s.argmax(1) == 0).numpy()
     return (idx, hits) if per_sample else float(hits.mean())

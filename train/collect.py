@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tyro
 from tqdm import tqdm
 
 import envs
@@ -139,3 +141,9 @@ def _episode_layout(env: Any) -> str | None:
     if layout is None:
         layout = getattr(getattr(env, "raw", None), "episode_layout", None)
     return None if layout is None else str(layout)
+
+
+def collect_command(argv: list[str]) -> None:
+    """``groundflow collect``: parse ``CollectArgs``, collect, print the summary as JSON."""
+    args = tyro.cli(CollectArgs, args=argv, prog="groundflow collect")
+    print(json.dumps(collect(args), indent=2))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from train.bc import TrainArgs
+
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "chunked": (
         "single-task default: 16-step chunks, 8 executed, late fusion (PushCube 0.92, Adroit door 0.98)",
@@ -24,9 +26,7 @@ def recipe_args(name: str, cls: type | None = None, **overrides: Any) -> Any:
     if name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; known recipes: "
                          + "; ".join(f"{k} ({v[0]})" for k, v in RECIPES.items()))
-    if cls is None:
-        from train.bc import TrainArgs as cls
-    return dataclasses.replace(cls(), recipe=name, **{**RECIPES[name][1], **overrides})
+    return dataclasses.replace((cls or TrainArgs)(), recipe=name, **{**RECIPES[name][1], **overrides})
 
 
 def recipe_from_argv(argv: list[str]) -> str | None:

@@ -18,13 +18,28 @@ Bigger settings are flags (``make demo ARGS="--bc-steps 20000 --size base"`` on 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import tyro
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # tiny policies beside CPU simulators (see groundflow/cli.py)
+
+import torch  # noqa: E402
+import tyro  # noqa: E402
+
+import policies  # noqa: E402
+from deploy.evaluate import evaluate_via_server
+from deploy.server import PolicyServer
+from train.bc import TrainArgs, train
+from train.cig import CIGOptions
+from train.collect import CollectArgs, collect
+from train.data import ChunkData
+from train.diagnose import diagnose, plot
+from train.evaluate import evaluate
+from train.guided_eval import evaluate_collision
+from train.recipes import recipe_args
 
 
 @dataclass
@@ -62,102 +77,91 @@ def _stage(name: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    a = tyro.cli(DemoArgs, args=argv)
-    import numpy as np  # noqa: F401
-    import policies
-    from train.bc import CIGOptions, TrainArgs, train
-    from train.collect import CollectArgs, collect
-    from train.data import ChunkData
-    from train.diagnose import diagnose, plot
-    from train.evaluate import evaluate
-    from train.guided_eval import evaluate_collision
-    from train.recipes import recipe_args
+    args = tyro.cli(DemoArgs, args=argv)
 
-    if a.fresh:
-        shutil.rmtree(a.out, ignore_errors=True)
-    a.out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"args": {k: str(v) for k, v in asdict(a).items()}, "stages": {}}
+    if args.fresh:
+        shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"args": {k: str(v) for k, v in asdict(args).items()}, "stages": {}}
     t_all = time.time()
 
-    t = _stage(f"1/6 collect tabletop demos (the layout names the task with probability {a.layout_rho})")
-    data = a.out / f"tabletop_rho{a.layout_rho}.h5"
-    held = a.out / "tabletop_heldout.h5"
+    started = _stage(f"1/6 collect tabletop demos (the layout names the task with probability {args.layout_rho})")
+    data = args.out / f"tabletop_rho{args.layout_rho}.h5"
+    held = args.out / "tabletop_heldout.h5"
     if not data.exists():
-        collect(CollectArgs(suite="tabletop", episodes=a.demos, out=data, seed=a.seed, layout="correlated",
-                            instructions=a.instructions, env_options={"layout_rho": a.layout_rho}))
+        collect(CollectArgs(suite="tabletop", episodes=args.demos, out=data, seed=args.seed, layout="correlated",
+                            instructions=args.instructions, env_options={"layout_rho": args.layout_rho}))
     if not held.exists():
-        collect(CollectArgs(suite="tabletop", episodes=24, out=held, seed=a.seed + 50_000, layout="random",
-                            instructions=a.instructions))
-    res["stages"]["collect_s"] = time.time() - t
+        collect(CollectArgs(suite="tabletop", episodes=24, out=held, seed=args.seed + 50_000, layout="random",
+                            instructions=args.instructions))
+    res["stages"]["collect_s"] = time.time() - started
 
-    t = _stage("2/6 behaviour cloning: tiny flow VLA, multitask recipe")
-    bc_dir = a.out / "bc"
+    started = _stage("2/6 behaviour cloning: tiny flow VLA, multitask recipe")
+    bc_dir = args.out / "bc"
     if not (bc_dir / "ckpt").exists():
         shutil.rmtree(bc_dir, ignore_errors=True)
-        train(recipe_args("multitask", data=(data,), policy="flow", size=a.size, steps=a.bc_steps, out=bc_dir,
-                          seed=a.seed, wandb="disabled", save_every=10**9))
-    res["stages"]["bc_s"] = time.time() - t
+        train(recipe_args("multitask", data=(data,), policy="flow", size=args.size, steps=args.bc_steps, out=bc_dir,
+                          seed=args.seed, wandb="disabled", save_every=10**9))
+    res["stages"]["bc_s"] = time.time() - started
 
-    t = _stage("3/6 CIG fine-tuning (continuation from the BC checkpoint)")
-    cig_dir = a.out / "cig"
+    started = _stage("3/6 CIG fine-tuning (continuation from the BC checkpoint)")
+    cig_dir = args.out / "cig"
     if not (cig_dir / "ckpt").exists():
         shutil.rmtree(cig_dir, ignore_errors=True)
-        train(recipe_args("multitask", data=(data,), policy="flow", init_from=bc_dir / "ckpt", steps=a.cig_steps,
-                          lr=1e-4, warmup_steps=20, out=cig_dir, seed=a.seed, wandb="disabled", save_every=10**9,
-                          cig=CIGOptions(weight=a.cig_weight, variant=a.cig_variant, negatives=3, draws=2, batch=64)))
-    res["stages"]["cig_s"] = time.time() - t
+        train(recipe_args("multitask", data=(data,), policy="flow", init_from=bc_dir / "ckpt", steps=args.cig_steps,
+                          lr=1e-4, warmup_steps=20, out=cig_dir, seed=args.seed, wandb="disabled", save_every=10**9,
+                          cig=CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=3, draws=2, batch=64)))
+    res["stages"]["cig_s"] = time.time() - started
 
-    t = _stage("4/6 evaluate where the layout no longer predicts the task")
+    started = _stage("4/6 evaluate where the layout no longer predicts the task")
     rows = {}
     diag = {}
-    for name, d in (("BC", bc_dir), ("BC+CIG", cig_dir)):
-        pol = policies.load(d / "ckpt")
-        torch.manual_seed(a.seed)  # the flow sampler's noise: the same checkpoints give the same table
-        ev = evaluate(pol, "maniskill/TabletopSuite-v1", a.eval_episodes, seed=a.seed + 90_000,
-                      env_options={"layout": "random"}, instructions=list(a.instructions)).to_dict()
-        ev_in = evaluate(pol, "maniskill/TabletopSuite-v1", a.eval_episodes, seed=a.seed + 95_000,
-                         env_options={"layout": "correlated"}, instructions=list(a.instructions)).to_dict()
+    for name, run_dir in (("BC", bc_dir), ("BC+CIG", cig_dir)):
+        pol = policies.load(run_dir / "ckpt")
+        torch.manual_seed(args.seed)  # the flow sampler's noise: the same checkpoints give the same table
+        ev = evaluate(pol, "maniskill/TabletopSuite-v1", args.eval_episodes, seed=args.seed + 90_000,
+                      env_options={"layout": "random"}, instructions=list(args.instructions)).to_dict()
+        ev_in = evaluate(pol, "maniskill/TabletopSuite-v1", args.eval_episodes, seed=args.seed + 95_000,
+                         env_options={"layout": "correlated"}, instructions=list(args.instructions)).to_dict()
         hd = ChunkData(held, pol.config.horizon)
-        diag[name] = diagnose(pol, hd, n=128, seed=a.seed)
+        diag[name] = diagnose(pol, hd, n=128, seed=args.seed)
         rows[name] = {"success_rate": ev["success_rate"], "ci95": ev["ci95"],
                       "in_distribution_success": ev_in["success_rate"],
                       "did_other_task_rate": ev["did_other_task_rate"],
                       "identification_accuracy": diag[name]["identification_accuracy"],
                       "action_sensitivity": diag[name]["action_sensitivity"]}
-    plot(diag, a.out / "collapse.png")
+    plot(diag, args.out / "collapse.png")
     res["tabletop"] = rows
-    res["stages"]["eval_s"] = time.time() - t
+    res["stages"]["eval_s"] = time.time() - started
 
-    t = _stage("5/6 collision avoidance: unguided vs Coupled Guidance")
-    cdata = a.out / "reach.h5"
+    started = _stage("5/6 collision avoidance: unguided vs Coupled Guidance")
+    cdata = args.out / "reach.h5"
     if not cdata.exists():
-        collect(CollectArgs(env="maniskill/CollisionAvoidance-v1", episodes=a.collision_demos, out=cdata, seed=a.seed,
+        collect(CollectArgs(env="maniskill/CollisionAvoidance-v1", episodes=args.collision_demos, out=cdata, seed=args.seed,
                             dart_noise=0.3))
-    cdir = a.out / "reach"
+    cdir = args.out / "reach"
     if not (cdir / "ckpt").exists():
         shutil.rmtree(cdir, ignore_errors=True)
-        train(TrainArgs(data=(cdata,), policy="flow", size=a.size, steps=a.collision_steps, horizon=8, n_exec=4,
-                        out=cdir, seed=a.seed, wandb="disabled"))
+        train(TrainArgs(data=(cdata,), policy="flow", size=args.size, steps=args.collision_steps, horizon=8, n_exec=4,
+                        out=cdir, seed=args.seed, wandb="disabled"))
     pol = policies.load(cdir / "ckpt")
     res["collision"] = {
-        "no obstacle": evaluate_collision(pol, "none", 0.0, a.collision_episodes, obstacles="none"),
-        "obstacle, unguided": evaluate_collision(pol, "none", 0.0, a.collision_episodes),
-        "obstacle, coupled": evaluate_collision(pol, "coupled", a.guidance_scale, a.collision_episodes),
+        "no obstacle": evaluate_collision(pol, "none", 0.0, args.collision_episodes, obstacles="none"),
+        "obstacle, unguided": evaluate_collision(pol, "none", 0.0, args.collision_episodes),
+        "obstacle, coupled": evaluate_collision(pol, "coupled", args.guidance_scale, args.collision_episodes),
     }
-    res["stages"]["collision_s"] = time.time() - t
+    res["stages"]["collision_s"] = time.time() - started
 
-    t = _stage("6/6 drive a simulated robot through the policy server")
-    from deploy.evaluate import evaluate_via_server
-    from deploy.server import PolicyServer
+    started = _stage("6/6 drive a simulated robot through the policy server")
     pol = policies.load(cig_dir / "ckpt")
     with PolicyServer(pol, host="127.0.0.1", port=0) as server:
-        res["server"] = evaluate_via_server("maniskill/TabletopSuite-v1", server.address, a.server_episodes,
-                                            seed=a.seed + 70_000, env_options={"layout": "random"},
-                                            record=str(a.out / "deployed.h5"), overwrite=True)
+        res["server"] = evaluate_via_server("maniskill/TabletopSuite-v1", server.address, args.server_episodes,
+                                            seed=args.seed + 70_000, env_options={"layout": "random"},
+                                            record=str(args.out / "deployed.h5"), overwrite=True)
     res["server"].pop("episodes", None)
-    res["stages"]["server_s"] = time.time() - t
+    res["stages"]["server_s"] = time.time() - started
     res["total_s"] = time.time() - t_all
-    (a.out / "results.json").write_text(json.dumps(res, indent=2, default=str))
+    (args.out / "results.json").write_text(json.dumps(res, indent=2, default=str))
     print_table(res)
     return res
 
@@ -185,6 +189,4 @@ def print_table(res: dict) -> None:
 
 
 if __name__ == "__main__":
-    import os
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -7,6 +7,10 @@ with chunk ``k`` is a soft target whose weight decays exponentially along the ch
 mask of Black et al., 2025), so the new chunk joins the old plan smoothly and is free to diverge
 where the new observation says so. Both act on the normalized action chunk through
 ``guidance.make("coupled", ...)``; the policy's network is called exactly as unguided.
+
+The policy owns this: ``policy.predict_action_chunk(obs, prefix=..., frozen=..., rtc=RTCConfig())``
+(policies whose ``supports_prefix`` is True); the policy server and ``LocalPolicy`` only pass the
+request's prefix through.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
+import guidance
 from envs.errors import InvalidOptionError
+from guidance.costs import FunctionCost, PrefixCost
 
 
 @dataclass
 class RTCConfig:
-    """Prefix-inpainting options (server side)."""
+    """Prefix-inpainting options (set where the policy is served)."""
 
     sigma: float = 0.05
     """tolerance of the soft overlap target, in normalized action units"""
@@ -37,12 +44,6 @@ class RTCConfig:
     9.5 ms at prox-x5 quality, but 'linear' with sigma 0.05 diverges"""
 
 
-def supports_rtc(policy: Any) -> bool:
-    """Flow policies with a normalizer take a guide; others (autoregressive) cannot inpaint."""
-    cfg = getattr(policy, "config", None)
-    return getattr(cfg, "kind", None) == "flow" and hasattr(policy, "normalizer")
-
-
 def soft_weights(n_overlap: int, frozen: int, decay: float) -> np.ndarray:
     """Per-step weights over the overlap: 1 on frozen steps, exp(-decay*i) after them."""
     w = np.ones(n_overlap, np.float32)
@@ -56,11 +57,6 @@ def prefix_guide(policy: Any, prefix: np.ndarray, frozen: int, config: RTCConfig
 
     ``prefix`` (k, A) in env units: the old plan for the steps the new chunk covers, starting
     at the observation's time. ``frozen`` leading steps are enforced exactly."""
-    import torch
-
-    import guidance
-    from guidance.costs import FunctionCost, PrefixCost
-
     cfg = config or RTCConfig()
     H, A = policy.config.horizon, policy.config.action_dim
     prefix = np.array(prefix, np.float32)  # a writable copy (wire arrays are read-only views)

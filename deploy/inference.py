@@ -1,0 +1,69 @@
+"""The one place a served policy is asked for a chunk: ``PolicyServer`` (over the network) and
+``LocalPolicy`` (in process) both call :func:`infer_chunk` and describe the policy with
+:func:`policy_metadata`, so the two cannot drift apart and neither imports the other.
+
+A served policy speaks ``policies.base.Policy``: ``predict_action_chunk(obs, prefix=, frozen=,
+rtc=)``, ``config``; optionally ``supports_prefix`` (real-time chunking), ``action_range()``
+(the trained range chunks are checked against) and ``reset()``. Scripted policies may leave the
+optional parts out.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from deploy import protocol
+from policies.rtc import RTCConfig
+
+
+def supports_prefix(policy: Any) -> bool:
+    """Whether ``policy`` can continue a committed plan (real-time chunking)."""
+    return bool(getattr(policy, "supports_prefix", False))
+
+
+def action_bounds(policy: Any, margin: float = protocol.ACTION_MARGIN) -> tuple[np.ndarray, np.ndarray] | None:
+    """The policy's trained action range widened by ``margin``; None for a policy without one."""
+    action_range = getattr(policy, "action_range", None)
+    if action_range is None:
+        return None
+    lo, hi = (np.asarray(x, np.float64).reshape(-1) for x in action_range())
+    return protocol.widen_bounds(lo, hi, margin)
+
+
+def policy_metadata(policy: Any, max_message_bytes: int, margin: float = protocol.ACTION_MARGIN) -> dict[str, Any]:
+    """What the server announces on connect (and ``LocalPolicy`` exposes): dims, cameras, chunk
+    size, whether it does real-time chunking, the chunk bounds."""
+    config = policy.config
+    bounds = action_bounds(policy, margin)
+    return {"type": "metadata", "protocol": protocol.PROTOCOL, "version": protocol.VERSION,
+            "action_dim": int(config.action_dim), "state_dim": int(config.state_dim),
+            "cameras": list(config.cameras), "image_size": int(getattr(config, "image_size", 0) or 0),
+            "horizon": int(config.horizon), "n_exec": int(getattr(config, "n_exec", config.horizon)),
+            "policy_kind": str(getattr(config, "kind", "")), "rtc": supports_prefix(policy),
+            "max_message_bytes": int(max_message_bytes),
+            "action_low": None if bounds is None else bounds[0].tolist(),
+            "action_high": None if bounds is None else bounds[1].tolist(),
+            "max_instruction_chars": protocol.MAX_INSTRUCTION_CHARS}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed numpy, and torch when the policy uses it (never import torch just to seed it)."""
+    np.random.seed(seed % (2 ** 32))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+def infer_chunk(policy: Any, obs: dict[str, Any], prefix: np.ndarray | None = None, frozen: int = 0,
+                seed: int | None = None, rtc: RTCConfig | None = None) -> np.ndarray:
+    """One (H, A) float32 chunk in env units; ``prefix``/``frozen`` ask for real-time chunking,
+    ``seed`` makes the sample reproducible."""
+    if seed is not None:
+        seed_everything(seed)
+    kwargs: dict[str, Any] = {}
+    if prefix is not None:  # only then: scripted policies need not know the RTC arguments
+        kwargs.update(prefix=prefix, frozen=frozen, rtc=rtc)
+    return np.asarray(policy.predict_action_chunk(obs, **kwargs), dtype=np.float32)
