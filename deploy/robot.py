@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
+from deploy.errors import RobotConnectionError
 from envs.errors import InvalidOptionError
 
 Obs = dict[str, Any]
@@ -107,7 +108,6 @@ class Robot(Protocol):
 
 def check_connected(robot: Any) -> None:
     """Raise a clear error when a driver is used before ``connect()``."""
-    from deploy.errors import RobotConnectionError
     if not robot.is_connected:
         raise RobotConnectionError(f"{type(robot).__name__} is not connected; call connect() first")
 

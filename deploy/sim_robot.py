@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+import envs
 from deploy.robot import Obs, RobotSpec, check_connected
 from envs.errors import InvalidOptionError
 
@@ -74,7 +75,6 @@ class SimRobot:
         if self._connected:
             return
         if self.env is None:
-            import envs
             self.env = envs.make(self._env_id, **self._env_options)
         self.spec = self._make_spec()
         self._connected = True

@@ -29,13 +29,18 @@ from tqdm import tqdm
 import policies
 from envs.errors import CheckpointError, GroundflowError
 from policies import PolicyConfig, make_policy
+from policies.model import check_vocabulary
 from train.cig import CIGObjective, CIGOptions
 from train.data import ChunkData
+from train.evaluate import evaluate
 from train.logger import Logger
 
 
 class TrainingDivergedError(GroundflowError, FloatingPointError):
     """A non-finite loss: training stops before NaN weights reach a checkpoint."""
+
+
+_MODEL = PolicyConfig()  # the one home of the model defaults TrainArgs exposes as flags
 
 
 @dataclass
@@ -49,19 +54,20 @@ class TrainArgs:
     beside it override"""
     policy: Literal["flow", "ar", "mlp"] = "flow"
     """flow (pi0-style), ar (RT-2-style) or mlp (the plain BC baseline, state only)"""
-    size: str = "tiny"
+    # model fields: defaults and meaning are PolicyConfig's (policies/config.py)
+    size: str = _MODEL.size
     """tiny | small | base | large"""
-    horizon: int = 16
-    """action chunk length H (16 with n_exec 8: 87% vs 67% on PushCube at 3000 steps, measured)"""
-    n_exec: int = 8
-    cameras: tuple[str, ...] = ()
-    image_size: int = 64
-    fusion: Literal["late", "early"] = "late"
+    horizon: int = _MODEL.horizon
+    """action chunk length H"""
+    n_exec: int = _MODEL.n_exec
+    cameras: tuple[str, ...] = _MODEL.cameras
+    image_size: int = _MODEL.image_size
+    fusion: Literal["late", "early"] = _MODEL.fusion
     """late: state and instruction meet only in attention; early: the state encoder also reads the
     instruction (see PolicyConfig.fusion)"""
     state_hidden: int = 0
     """hidden width of the state encoder (0: d_model)"""
-    lang_norm: bool = False
+    lang_norm: bool = _MODEL.lang_norm
     """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
     steps: int = 2000
     batch_size: int = 64
@@ -72,9 +78,9 @@ class TrainArgs:
     ema: float = 0.995
     """EMA decay of the weights used for evaluation and checkpoints (0: off)"""
     grad_clip: float = 1.0
-    instruction_dropout: float = 0.0
+    instruction_dropout: float = _MODEL.instruction_dropout
     """probability of training on the empty instruction (enables CFG at sampling)"""
-    cfg_scale: float = 1.0
+    cfg_scale: float = _MODEL.cfg_scale
     """classifier-free guidance scale stored in the checkpoint for sampling"""
     cig: CIGOptions = field(default_factory=CIGOptions)
     seed: int = 0
@@ -134,6 +140,72 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
+    """A new policy fitted to the data's statistics, or the ``--init-from`` checkpoint (continuation)."""
+    if args.init_from:
+        policy = policies.load(args.init_from)
+        if (policy.config.state_dim, policy.config.action_dim) != (data.state_dim, data.action_dim):
+            raise policies.PolicyMismatchError(
+                f"{args.init_from} has state/action dims {(policy.config.state_dim, policy.config.action_dim)}, "
+                f"the data has {(data.state_dim, data.action_dim)}")
+        if args.cig.weight > 0:  # CIG grounds the instructions the checkpoint already follows
+            check_vocabulary(policy, data.instructions, what=f"the CIG data {list(args.data)}")
+        if args.instruction_dropout:
+            policy.config.instruction_dropout = args.instruction_dropout
+    else:
+        cfg = PolicyConfig(kind=args.policy, state_dim=data.state_dim, action_dim=data.action_dim,
+                           horizon=args.horizon, n_exec=args.n_exec, size=args.size, cameras=tuple(args.cameras),
+                           image_size=args.image_size, fusion=args.fusion, state_hidden=args.state_hidden,
+                           lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
+                           cfg_scale=args.cfg_scale)
+        policy = make_policy(cfg)
+        policy.fit_normalizer(data.state, data.action, data.instructions)
+    policy.config.cfg_scale = args.cfg_scale
+    policy.lang.warm(data.instructions)
+    return policy
+
+
+def _resume(args: TrainArgs, args_json: dict, state_path: Path, device: torch.device, policy: Any, ema: Any,
+            opt: torch.optim.Optimizer) -> tuple[int, list[dict[str, float]]]:
+    """Load ``train_state.pt`` into policy, EMA and optimizer; (step, history) to continue from."""
+    if not state_path.is_file():
+        raise FileNotFoundError(f"--resume: no {state_path}")
+    saved = _load_train_state(state_path, device)
+    changed = {k for k in MODEL_FIELDS if saved["args"].get(k) != args_json.get(k)}
+    if changed:
+        raise ValueError(f"--resume with a changed config: {sorted(changed)} differ from the saved run")
+    policy.load_state_dict(saved["model"])
+    if ema is not None and saved.get("ema") is not None:
+        ema.load_state_dict(saved["ema"])
+    opt.load_state_dict(saved["opt"])
+    return saved["step"], saved["history"]
+
+
+def _draw_batch(data: ChunkData, args: TrainArgs, gen: torch.Generator, rank: int, world: int,
+                instruction_dropout: float) -> dict[str, Any]:
+    """This rank's slice of one global batch: every rank draws the randomness of the whole batch
+    from the same generator (indices, flow times, noise, instruction drops, in that order)."""
+    per = args.batch_size // world
+    g_idx = torch.randint(len(data), (args.batch_size,), generator=gen).numpy()
+    g_t = torch.rand(args.batch_size, generator=gen)
+    g_noise = torch.randn(args.batch_size, args.horizon, data.action_dim, generator=gen)
+    g_drop = torch.rand(args.batch_size, generator=gen) < instruction_dropout
+    sl = slice(rank * per, (rank + 1) * per)
+    batch = data.batch(g_idx[sl])
+    batch.update(flow_t=g_t[sl], flow_noise=g_noise[sl], drop_lang=g_drop[sl])
+    return batch
+
+
+def _diverged(loss: torch.Tensor, step: int, batch: dict[str, Any], data: ChunkData, args: TrainArgs,
+              out: Path, saved_step: int | None) -> TrainingDivergedError:
+    """The error for a non-finite loss: which episodes, and which checkpoint survives."""
+    eps = sorted(set(data.episode[batch["index"]].tolist()))
+    kept = (f"the checkpoint of step {saved_step} is kept in {out / 'ckpt'}" if saved_step is not None
+            else f"no checkpoint was written (the first save is at step {min(args.save_every, args.steps)})")
+    return TrainingDivergedError(f"non-finite loss {float(loss.detach())} at step {step} on batch of episodes "
+                                 f"{eps} (indices {batch['index'][:8].tolist()}...); {kept}")
+
+
 def train(args: TrainArgs) -> dict[str, Any]:
     """Train and return a summary (final loss, samples/s, eval results, checkpoint path)."""
     rank, world = _dist()
@@ -149,30 +221,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
     args_json = _jsonable(dataclasses.asdict(args))
 
     data = ChunkData(args.data, args.horizon, args.cameras, args.image_size)
-    if args.init_from:
-        policy = policies.load(args.init_from)
-        if (policy.config.state_dim, policy.config.action_dim) != (data.state_dim, data.action_dim):
-            raise policies.PolicyMismatchError(
-                f"{args.init_from} has state/action dims {(policy.config.state_dim, policy.config.action_dim)}, "
-                f"the data has {(data.state_dim, data.action_dim)}")
-        if args.cig.weight > 0:  # CIG grounds the instructions the checkpoint already follows
-            from policies.model import check_vocabulary
-            check_vocabulary(policy, data.instructions, what=f"the CIG data {list(args.data)}")
-        if args.instruction_dropout:
-            policy.config.instruction_dropout = args.instruction_dropout
-    else:
-        cfg = PolicyConfig(kind=args.policy, state_dim=data.state_dim, action_dim=data.action_dim,
-                           horizon=args.horizon, n_exec=args.n_exec, size=args.size, cameras=tuple(args.cameras),
-                           image_size=args.image_size, fusion=args.fusion, state_hidden=args.state_hidden,
-                           lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
-                           cfg_scale=args.cfg_scale)
-        policy = make_policy(cfg)
-        policy.fit_normalizer(data.state, data.action, data.instructions)
-    policy.config.cfg_scale = args.cfg_scale
-    policy.lang.warm(data.instructions)
-    cig = None
-    if args.cig.weight > 0:
-        cig = CIGObjective(policy, data, args.cig, seed=args.seed)
+    policy = _build_policy(args, data)
+    cig = CIGObjective(policy, data, args.cig, seed=args.seed) if args.cig.weight > 0 else None
     policy.to(device)
     ema = copy.deepcopy(policy).eval() if args.ema > 0 else None
     if ema is not None:
@@ -185,20 +235,9 @@ def train(args: TrainArgs) -> dict[str, Any]:
             policy, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=args.weight_decay)
-    step = 0
-    history: list[dict[str, float]] = []
+    step, history = 0, []
     if args.resume:
-        if not state_path.is_file():
-            raise FileNotFoundError(f"--resume: no {state_path}")
-        st = _load_train_state(state_path, device)
-        changed = {k for k in MODEL_FIELDS if st["args"].get(k) != args_json.get(k)}
-        if changed:
-            raise ValueError(f"--resume with a changed config: {sorted(changed)} differ from the saved run")
-        policy.load_state_dict(st["model"])
-        if ema is not None and st.get("ema") is not None:
-            ema.load_state_dict(st["ema"])
-        opt.load_state_dict(st["opt"])
-        step, history = st["step"], st["history"]
+        step, history = _resume(args, args_json, state_path, device, policy, ema, opt)
     elif rank == 0 and state_path.exists():
         raise FileExistsError(f"{out} already holds a run; use --resume to continue it or another --out")
     saved_step = step if args.resume else None  # the step of the checkpoint in OUT/ckpt, if any
@@ -210,19 +249,12 @@ def train(args: TrainArgs) -> dict[str, Any]:
         out.mkdir(parents=True, exist_ok=True)
     meta_extra = {"env_id": data.env_id, "instructions": data.instructions, "train_args": args_json}
     gen = torch.Generator().manual_seed(args.seed * 1000003 + step)
-    per = args.batch_size // world
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.policy}", disable=not (args.progress and rank == 0))
     t_start, samples = time.time(), 0
     summary: dict[str, Any] = {}
     policy.train()
     while step < args.steps:
-        g_idx = torch.randint(len(data), (args.batch_size,), generator=gen).numpy()
-        g_t = torch.rand(args.batch_size, generator=gen)
-        g_noise = torch.randn(args.batch_size, args.horizon, data.action_dim, generator=gen)
-        g_drop = torch.rand(args.batch_size, generator=gen) < policy.config.instruction_dropout
-        sl = slice(rank * per, (rank + 1) * per)
-        batch = data.batch(g_idx[sl])
-        batch.update(flow_t=g_t[sl], flow_noise=g_noise[sl], drop_lang=g_drop[sl])
+        batch = _draw_batch(data, args, gen, rank, world, policy.config.instruction_dropout)
         for group in opt.param_groups:
             group["lr"] = _lr(step, args)
         aux = None
@@ -233,11 +265,7 @@ def train(args: TrainArgs) -> dict[str, Any]:
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss, metrics = model(batch, aux)
         if not torch.isfinite(loss):
-            eps = sorted(set(data.episode[batch["index"]].tolist()))
-            kept = (f"the checkpoint of step {saved_step} is kept in {out / 'ckpt'}" if saved_step is not None
-                    else f"no checkpoint was written (the first save is at step {min(args.save_every, args.steps)})")
-            raise TrainingDivergedError(f"non-finite loss {float(loss.detach())} at step {step} on batch of episodes "
-                                        f"{eps} (indices {batch['index'][:8].tolist()}...); {kept}")
+            raise _diverged(loss, step, batch, data, args, out, saved_step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
@@ -282,7 +310,6 @@ def train(args: TrainArgs) -> dict[str, Any]:
 
 
 def _evaluate(policy, env_id: str, args: TrainArgs) -> dict[str, Any]:
-    from train.evaluate import evaluate
     opts = dict(args.eval_options)
     if args.cameras:
         opts.update(cameras=tuple(args.cameras), image_size=args.image_size)

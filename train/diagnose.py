@@ -16,7 +16,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import tyro
 
+import policies
 from train.cig import identification_accuracy
 from train.data import ChunkData
 
@@ -108,8 +110,6 @@ class DiagnoseArgs:
 
 
 def diagnose_command(argv: list[str]) -> None:
-    import tyro
-    import policies
     args = tyro.cli(DiagnoseArgs, args=argv, prog="groundflow diagnose")
     results = {}
     for ck in args.ckpt:

@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import tyro
 from tqdm import tqdm
 
 import envs
+import policies
 from envs.metrics import wilson  # noqa: F401  (re-exported for callers)
 from policies.model import PolicyMismatchError, check_vocabulary
 
@@ -155,8 +157,6 @@ class EvalArgs:
 
 
 def eval_command(argv: list[str]) -> None:
-    import tyro
-    import policies
     args = tyro.cli(EvalArgs, args=argv, prog="groundflow eval")
     policy = policies.load(args.ckpt)
     meta = policies.read_checkpoint_meta(args.ckpt)

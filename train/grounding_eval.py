@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import envs
+import policies
 from envs.errors import InvalidOptionError
 from envs.metrics import wilson
 from train.evaluate import evaluate
@@ -43,7 +44,6 @@ PROTOCOLS = ("p1", "p3", "p4", "p5")
 
 def _policy(policy_or_ckpt: Any) -> Any:
     if isinstance(policy_or_ckpt, (str, os.PathLike)):
-        import policies
         return policies.load(Path(policy_or_ckpt))
     return policy_or_ckpt
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tyro
 from tqdm import tqdm
 
 import envs
@@ -186,6 +187,5 @@ def relabel(args: RelabelArgs) -> dict[str, Any]:
 
 
 def relabel_command(argv: list[str]) -> None:
-    import tyro
     args = tyro.cli(RelabelArgs, args=argv, prog="groundflow relabel")
     print(json.dumps(relabel(args), indent=2))
