@@ -26,8 +26,9 @@ from typing import Any, Callable
 import numpy as np
 
 from envs import platform_setup
-from envs.base import GroundflowEnv
+from envs.base import GroundflowEnv, Obs
 from envs.errors import InvalidOptionError, InvalidStateError, MissingAssetsError
+from envs.physics import MujocoPhysics
 
 platform_setup.setup()
 import mujoco  # noqa: E402  (after platform_setup: MUJOCO_GL=egl)
@@ -258,9 +259,20 @@ class AdroitEnv(GroundflowEnv):
         mujoco.mj_setState(self._u.model, self._u.data, x[:self._state_size], _STATE_SPEC)
         mujoco.mj_forward(self._u.model, self._u.data)
 
-    def observe(self) -> dict:
+    def observe(self) -> Obs:
         """Observation of the current simulator state (e.g. after ``set_sim_state``)."""
         return self._obs(self._u._get_obs(), self._images())
+
+    def evaluate_success(self) -> bool | None:
+        """Door: the hinge opened past 1.35 rad (the upstream success test); None for the other tasks."""
+        if self.task.name != "door":
+            return None
+        u = self._u
+        return bool(u.data.qpos[u.door_hinge_addrs] >= 1.35)
+
+    def make_physics(self, bodies: tuple[str, ...] | None) -> MujocoPhysics:
+        """The gymnasium-robotics MuJoCo model (default bodies: all but the world)."""
+        return MujocoPhysics(self._u.model, bodies)
 
     # ----- experts ---------------------------------------------------------------------------
     def make_expert(self, noise: float = 0.0, seed: int | None = None) -> "DapgExpert":

@@ -13,7 +13,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from envs.errors import InstructionError, InvalidActionError
+from envs.errors import InstructionError, InvalidActionError, InvalidOptionError
 
 Obs = dict[str, Any]
 
@@ -39,6 +39,9 @@ class GroundflowEnv(gym.Env):
       - ``_reset(seed, options) -> (state, images, info)``
       - ``_step(action) -> (state, images, reward, terminated, truncated, info)``; info needs "success"
       - ``get_sim_state() -> np.ndarray`` / ``set_sim_state(x)`` where the backend allows it.
+      - ``observe()``, ``evaluate_success()``, ``make_physics(bodies)``: the current simulator
+        state's observation and task success, and the physics parameters a shifted twin scales
+        (``envs.shifted``), where the backend can tell.
     """
 
     metadata = {"render_modes": ["rgb_array"]}
@@ -81,6 +84,20 @@ class GroundflowEnv(gym.Env):
 
     def set_sim_state(self, state: np.ndarray) -> None:
         raise NotImplementedError(f"{self.env_id}: this backend cannot set its simulator state")
+
+    def observe(self) -> Obs:
+        """Observation of the *current* simulator state (e.g. right after ``set_sim_state``)."""
+        raise InvalidOptionError(f"{self.env_id}: backend {self.backend!r} cannot observe its current state "
+                                 "(it needs an observe() method)")
+
+    def evaluate_success(self) -> bool | None:
+        """Task success in the current simulator state; None where the backend cannot tell."""
+        return None
+
+    def make_physics(self, bodies: tuple[str, ...] | None) -> Any:
+        """Handle on the physics parameters a shifted twin scales (``envs.physics``: ``apply(shift)``),
+        restricted to ``bodies`` (None: the backend's default set); None where there are none."""
+        return None
 
     def raw_step(self, action: np.ndarray) -> Any:
         """Step the backend env directly, without conversion or checks, rendering the same cameras

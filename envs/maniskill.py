@@ -13,8 +13,10 @@ from typing import Any
 import numpy as np
 
 from envs import platform_setup
-from envs.base import GroundflowEnv
+from envs.base import GroundflowEnv, Obs
 from envs.errors import InvalidOptionError, MissingAssetsError
+from envs.maniskill_experts import MotionPlanningExpert
+from envs.physics import ManiSkillPhysics
 
 # Episode limits sized to the motion-planning experts (ManiSkill's own 50-step limits are
 # tuned for RL with ee control; the planner's joint paths take longer).
@@ -38,7 +40,8 @@ def _import_maniskill():
         import mani_skill.envs  # noqa: F401  (registers the standard tasks)
     except ImportError as e:  # pragma: no cover - install problem
         raise MissingAssetsError(f"mani_skill is not importable ({e}); run `make setup`") from e
-    import envs.maniskill_tasks  # noqa: F401  (registers groundflow's own tasks)
+    # Lazy like mani_skill above: the task modules load mani_skill and SAPIEN (slow) and register our tasks.
+    import envs.maniskill_tasks  # noqa: F401
 
 
 def make_maniskill(env_id: str, ms_id: str, **options: Any) -> "ManiSkillEnv":
@@ -162,6 +165,18 @@ class ManiSkillEnv(GroundflowEnv):
         x = torch.as_tensor(np.asarray(state, dtype=np.float32)).reshape(1, -1)
         self.raw.set_state(x)
 
+    def observe(self) -> Obs:
+        """ManiSkill has no observe of its own: ask the raw env for its observation now."""
+        o = self.raw.get_obs()
+        return self._obs(self._state_of(o), self._images_of(o))
+
+    def evaluate_success(self) -> bool:
+        return bool(np.asarray(self.raw.evaluate()["success"]).reshape(-1)[0])
+
+    def make_physics(self, bodies: tuple[str, ...] | None) -> ManiSkillPhysics:
+        """Every non-kinematic actor outside the robot (or those named in ``bodies``) and the robot's drives."""
+        return ManiSkillPhysics(self, bodies)
+
     def render_frame(self) -> np.ndarray:
         """An RGB frame of the scene from ManiSkill's human render camera (for videos)."""
         img = self.raw.render_rgb_array() if hasattr(self.raw, "render_rgb_array") else self.raw.render()
@@ -170,7 +185,6 @@ class ManiSkillEnv(GroundflowEnv):
     def make_expert(self, **options: Any):
         if hasattr(self.raw, "make_expert"):
             return self.raw.make_expert(**options)
-        from envs.maniskill_experts import MotionPlanningExpert
         return MotionPlanningExpert(self.ms_id, **options)
 
     def close(self):

@@ -53,7 +53,6 @@ import gymnasium as gym
 import numpy as np
 
 from envs.errors import InvalidOptionError
-from envs.shifted import evaluate_success, observe
 
 
 class NotApplicableError(InvalidOptionError):
@@ -75,7 +74,7 @@ class EnvWrapper(gym.Wrapper):
 
     def observe(self) -> dict:
         """Observation of the current simulator state, through every wrapper below."""
-        return observe(self.env)
+        return self.env.observe()
 
     def restore(self) -> None:
         """Undo changes made to the simulator's model (wrappers below included)."""
@@ -154,8 +153,8 @@ class Perturbation(EnvWrapper):
         options = self._before_reset(rng, dict(options or {}))
         obs, info = self.env.reset(seed=seed, options=options)
         if self._after_reset(rng):
-            obs = observe(self.env)
-            ok = evaluate_success(base_env(self.env))
+            obs = self.env.observe()
+            ok = base_env(self.env).evaluate_success()
             if ok is not None:
                 info["success"] = bool(ok)
         info = dict(info)
@@ -167,7 +166,7 @@ class Perturbation(EnvWrapper):
         return self._obs(obs), reward, terminated, truncated, info
 
     def observe(self) -> dict:
-        return self._obs(observe(self.env))
+        return self._obs(self.env.observe())
 
     def close(self):
         self.restore()

@@ -65,6 +65,14 @@ class RoboCasaEnv(RobosuiteEnv):
         self.instruction = str(self.rs.get_ep_meta().get("lang", self.instruction))
         return out
 
+    # Unsupported, as before these hooks existed (untested without RoboCasa's multi-GB assets): success
+    # comes from info["success"] only, and a shifted twin may only delay actions and add sensor noise.
+    def evaluate_success(self) -> None:
+        return None
+
+    def make_physics(self, bodies: tuple[str, ...] | None) -> None:
+        return None
+
 
 def make_robocasa(env_id: str = "", task: str = "PnPCounterToCab", cameras: Any = (),
                   image_size: int = 128, max_episode_steps: int = 500, **options: Any) -> RoboCasaEnv:

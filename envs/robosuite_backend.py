@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from envs.base import GroundflowEnv
+from envs import platform_setup
+from envs.base import GroundflowEnv, Obs
 from envs.errors import InstructionError, InvalidOptionError
+from envs.physics import MujocoPhysics
 from envs.suite import normalize
 
 TASKS: dict[str, dict[str, Any]] = {
@@ -55,7 +57,6 @@ def import_robosuite() -> types.ModuleType:
     mink IK); none concern a Panda. An in-memory ``robosuite.macros_private`` (the hook robosuite
     offers for local settings) lowers its console log level to errors.
     """
-    from envs import platform_setup
     platform_setup.setup()
     if "robosuite" not in sys.modules and "robosuite.macros_private" not in sys.modules:
         private = types.ModuleType("robosuite.macros_private")
@@ -208,10 +209,22 @@ class RobosuiteEnv(GroundflowEnv):
         info = {"success": success, **self._extra_info()}
         return self._state(obs), self.render_cameras(), float(reward), False, False, info
 
-    def get_obs(self) -> dict:
+    def observe(self) -> Obs:
         """The current observation (e.g. after ``set_sim_state``)."""
         obs = self.rs._get_observations(force_update=True)
         return self._obs(self._state(obs), self.render_cameras())
+
+    def get_obs(self) -> Obs:
+        """Same as ``observe`` (the older name)."""
+        return self.observe()
+
+    def evaluate_success(self) -> bool | None:
+        """robosuite's own success test of the constructed env (the kitchen suite's: the commanded task)."""
+        return bool(self.rs._check_success())
+
+    def make_physics(self, bodies: tuple[str, ...] | None) -> MujocoPhysics | None:
+        """robosuite's MuJoCo model (default bodies: all but the world)."""
+        return MujocoPhysics(self.rs.sim.model._model, bodies)
 
     # ----- simulator state ---------------------------------------------------------------------
     def get_sim_state(self) -> np.ndarray:

@@ -27,125 +27,18 @@ friction jumps). Same seed -> same episode, noise included.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from envs.base import GroundflowEnv
+from envs.base import GroundflowEnv, Obs
 from envs.errors import InvalidOptionError
+from envs.physics import PHYSICS_FIELDS, PhysicsShift
+from envs.registry import make as make_env
 
-PHYSICS_FIELDS = ("mass_scale", "friction_scale", "damping_scale", "gain_scale")
-
-
-@dataclass(frozen=True)
-class PhysicsShift:
-    mass_scale: float = 1.0
-    friction_scale: float = 1.0
-    damping_scale: float = 1.0
-    gain_scale: float = 1.0
-    action_delay: int = 0
-    obs_noise: float = 0.0
-
-    def validate(self) -> "PhysicsShift":
-        for name in PHYSICS_FIELDS:
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not np.isfinite(v) or v <= 0:
-                raise InvalidOptionError(f"{name} must be a finite number > 0, got {v!r}")
-        if isinstance(self.action_delay, bool) or not isinstance(self.action_delay, (int, np.integer)) \
-                or self.action_delay < 0:
-            raise InvalidOptionError(f"action_delay must be an int >= 0 (steps), got {self.action_delay!r}")
-        if not isinstance(self.obs_noise, (int, float)) or not np.isfinite(self.obs_noise) or self.obs_noise < 0:
-            raise InvalidOptionError(f"obs_noise must be a finite number >= 0, got {self.obs_noise!r}")
-        return self
-
-    @property
-    def changes_physics(self) -> bool:
-        return any(getattr(self, n) != 1.0 for n in PHYSICS_FIELDS)
-
-
-class _ManiSkillPhysics:
-    """Mass/friction of free actors and drive stiffness/damping of the robot joints (SAPIEN)."""
-
-    def __init__(self, env: Any, bodies: tuple[str, ...] | None):
-        self.env, self.bodies = env, bodies
-        self._nominal: dict[int, Any] = {}
-
-    def _dynamic_bodies(self) -> list[tuple[str, Any]]:
-        import sapien
-        out = []
-        for name, actor in self.env.raw.scene.actors.items():
-            if self.bodies is not None and name not in self.bodies:
-                continue
-            for ent in actor._objs:
-                body = ent.find_component_by_type(sapien.physx.PhysxRigidDynamicComponent)
-                if body is not None and not body.kinematic:
-                    out.append((name, body))
-        return out
-
-    def _joints(self) -> list[Any]:
-        joints = []
-        for ctrl in self.env.raw.agent.controller.controllers.values():
-            for j in ctrl.joints:
-                joints.extend(j._objs)
-        return joints
-
-    def apply(self, s: PhysicsShift) -> None:
-        import sapien
-        for _, body in self._dynamic_bodies():
-            nom = self._nominal.setdefault(id(body), {
-                "mass": body.mass, "inertia": np.array(body.inertia),
-                "materials": [(sh.physical_material.static_friction, sh.physical_material.dynamic_friction,
-                               sh.physical_material.restitution) for sh in body.collision_shapes]})
-            body.mass = nom["mass"] * s.mass_scale
-            body.inertia = nom["inertia"] * s.mass_scale
-            for sh, (st, dy, re) in zip(body.collision_shapes, nom["materials"]):
-                sh.physical_material = sapien.physx.PhysxMaterial(st * s.friction_scale, dy * s.friction_scale, re)
-        for j in self._joints():
-            nom = self._nominal.setdefault(id(j), (j.stiffness, j.damping, j.force_limit, j.drive_mode))
-            j.set_drive_properties(nom[0] * s.gain_scale, nom[1] * s.damping_scale, nom[2], nom[3])
-
-
-class _MujocoPhysics:
-    """body_mass/inertia, geom_friction, dof_damping and actuator gains of a MuJoCo model."""
-
-    def __init__(self, model: Any, bodies: tuple[str, ...] | None):
-        self.m = model
-        names = [model.body(i).name for i in range(model.nbody)]
-        if bodies is None:
-            self.body_ids = np.arange(1, model.nbody)
-        else:
-            bad = [b for b in bodies if b not in names]
-            if bad:
-                raise InvalidOptionError(f"unknown bodies {bad}; valid bodies: {names}")
-            self.body_ids = np.array([names.index(b) for b in bodies])
-        self.nom = {"body_mass": model.body_mass.copy(), "body_inertia": model.body_inertia.copy(),
-                    "geom_friction": model.geom_friction.copy(), "dof_damping": model.dof_damping.copy(),
-                    "actuator_gainprm": model.actuator_gainprm.copy(),
-                    "actuator_biasprm": model.actuator_biasprm.copy()}
-
-    def apply(self, s: PhysicsShift) -> None:
-        m, n, b = self.m, self.nom, self.body_ids
-        m.body_mass[:] = n["body_mass"]
-        m.body_inertia[:] = n["body_inertia"]
-        m.body_mass[b] = n["body_mass"][b] * s.mass_scale
-        m.body_inertia[b] = n["body_inertia"][b] * s.mass_scale
-        m.geom_friction[:, 0] = n["geom_friction"][:, 0] * s.friction_scale
-        m.dof_damping[:] = n["dof_damping"] * s.damping_scale
-        m.actuator_gainprm[:, 0] = n["actuator_gainprm"][:, 0] * s.gain_scale
-        m.actuator_biasprm[:] = n["actuator_biasprm"]
-        servo = m.actuator_biastype != 0
-        m.actuator_biasprm[servo, 1:3] = n["actuator_biasprm"][servo, 1:3] * s.gain_scale
-
-
-def _physics_of(env: GroundflowEnv, bodies: tuple[str, ...] | None) -> Any:
-    if env.backend == "maniskill":
-        return _ManiSkillPhysics(env, bodies)
-    if env.backend == "adroit":
-        return _MujocoPhysics(env.unwrapped_mujoco.model, bodies)
-    if env.backend == "robosuite":
-        return _MujocoPhysics(env.rs.sim.model._model, bodies)
-    return None
+__all__ = ["PHYSICS_FIELDS", "PhysicsShift", "ShiftedEnv", "observe", "evaluate_success", "shift_env",
+           "make_shifted"]
 
 
 class ShiftedEnv(GroundflowEnv):
@@ -155,7 +48,7 @@ class ShiftedEnv(GroundflowEnv):
                  bodies: tuple[str, ...] | None = None):
         self.base = base
         self.shift = shift.validate()
-        self.physics = _physics_of(base, tuple(bodies) if bodies is not None else None)
+        self.physics = base.make_physics(tuple(bodies) if bodies is not None else None)
         if self.physics is None and shift.changes_physics:
             raise InvalidOptionError(f"{base.env_id}: backend {base.backend!r} has no physics parameters to shift; "
                                      "only action_delay and obs_noise apply (valid physics backends: "
@@ -232,11 +125,18 @@ class ShiftedEnv(GroundflowEnv):
         """Commands issued but not yet applied (the latency buffer; not part of the sim state)."""
         return [a.copy() for a in self._queue]
 
-    def observe(self) -> dict:
+    def observe(self) -> Obs:
         """Observation of the current simulator state, with sensor noise."""
-        obs = observe(self.base)
+        obs = self.base.observe()
         obs["state"] = self._noisy(obs["state"])
         return obs
+
+    def evaluate_success(self) -> bool | None:
+        return self.base.evaluate_success()
+
+    def make_physics(self, bodies: tuple[str, ...] | None) -> Any:
+        """The base env's physics (a twin of a twin scales the same parameters)."""
+        return self.base.make_physics(bodies)
 
     def make_expert(self, **options: Any):
         return self.base.make_expert(**options)
@@ -245,37 +145,16 @@ class ShiftedEnv(GroundflowEnv):
         self.base.close()
 
 
-def observe(env: GroundflowEnv) -> dict:
-    """Observation of an env's *current* simulator state (e.g. right after ``set_sim_state``).
-
-    Uses the backend's own method where it has one (Adroit ``observe``, robosuite ``get_obs``);
-    ManiSkill's wrapper has none, so its raw env is asked.
-    """
-    for name in ("observe", "get_obs"):
-        fn = getattr(type(env), name, None)
-        if fn is not None:
-            return fn(env)
-    if env.backend == "maniskill":
-        o = env.raw.get_obs()
-        return env._obs(env._state_of(o), env._images_of(o))
-    raise InvalidOptionError(f"{env.env_id}: backend {env.backend!r} cannot observe its current state "
-                             "(it needs an observe() method)")
+def observe(env: Any) -> Obs:
+    """Observation of an env's *current* simulator state (e.g. right after ``set_sim_state``):
+    ``env.observe()``, kept as a function for callers that take any env or wrapper."""
+    return env.observe()
 
 
-def evaluate_success(env: GroundflowEnv) -> bool | None:
-    """Task success in the env's current simulator state; None where the backend cannot tell."""
-    inner = env.base if isinstance(env, ShiftedEnv) else env
-    fn = getattr(type(inner), "evaluate_success", None)
-    if fn is not None:
-        return bool(fn(inner))
-    if inner.backend == "maniskill":
-        return bool(np.asarray(inner.raw.evaluate()["success"]).reshape(-1)[0])
-    if inner.backend == "robosuite":
-        return bool(inner.rs._check_success())
-    if inner.backend == "adroit" and inner.task.name == "door":
-        u = inner.unwrapped_mujoco
-        return bool(u.data.qpos[u.door_hinge_addrs] >= 1.35)
-    return None
+def evaluate_success(env: Any) -> bool | None:
+    """Task success in the env's current simulator state (``env.evaluate_success()``); None where
+    the backend cannot tell."""
+    return env.evaluate_success()
 
 
 def shift_env(env: GroundflowEnv, seed: int | None = None, bodies: tuple[str, ...] | None = None,
@@ -291,8 +170,7 @@ def make_shifted(env_id: str, mass_scale: float = 1.0, friction_scale: float = 1
                  gain_scale: float = 1.0, action_delay: int = 0, obs_noise: float = 0.0, seed: int | None = None,
                  bodies: tuple[str, ...] | None = None, **env_options: Any) -> ShiftedEnv:
     """``envs.make(env_id, **env_options)`` with shifted physics (see the module docstring)."""
-    import envs
-    base = envs.make(env_id, **env_options)
+    base = make_env(env_id, **env_options)
     try:
         return ShiftedEnv(base, PhysicsShift(mass_scale, friction_scale, damping_scale, gain_scale, action_delay,
                                              obs_noise), seed=seed, bodies=bodies)

@@ -1,18 +1,10 @@
-"""groundflow's own ManiSkill3 tasks (registered with ManiSkill on import) and their experts.
+"""``GroundflowTabletop-v1`` (groundflow id ``maniskill/TabletopSuite-v1``) and its scripted expert.
 
-- ``GroundflowTabletop-v1`` (groundflow id ``maniskill/TabletopSuite-v1``): three cubes (red,
-  green, blue) in a column of slots in front of the robot and two goal discs ("left" at +y,
-  "right" at -y, seen from the robot). Twelve instructions are feasible from every initial state:
-  push a cube to a goal (6), pick up a cube (3), stack one cube on another (3). The commanded task
-  comes from ``reset(options={"task_id": i})`` and is never part of the state vector.
-- ``GroundflowCollisionAvoidance-v1`` (``maniskill/CollisionAvoidance-v1``): move the TCP to a
-  goal point. Demonstrations (``obstacles="none"``) go straight; evaluation puts kinematic boxes
-  or spheres across the straight path and reports collisions and clearance.
-
-World frame (ManiSkill's): table surface at z=0, robot base at (-0.615, 0, 0) facing +x, so +y is
-the robot's left. All lengths are metres. Both tasks use ``pd_ee_delta_pos``: an action
-``(dx, dy, dz, gripper)`` in [-1, 1]; the controller targets ``tcp + 0.1 * a[:3]`` each control
-step (20 Hz); gripper +1 opens, -1 closes.
+Three cubes (red, green, blue) in a column of slots in front of the robot and two goal discs
+("left" at +y, "right" at -y, seen from the robot). Twelve instructions are feasible from every
+initial state: push a cube to a goal (6), pick up a cube (3), stack one cube on another (3). The
+commanded task comes from ``reset(options={"task_id": i})`` and is never part of the state vector.
+World frame and action space: see ``envs.maniskill_tasks.table_scene``.
 """
 
 from __future__ import annotations
@@ -28,96 +20,15 @@ platform_setup.setup()
 import sapien  # noqa: E402
 import torch  # noqa: E402
 from mani_skill.agents.robots import Panda  # noqa: E402
-from mani_skill.envs.sapien_env import BaseEnv  # noqa: E402
-from mani_skill.sensors.camera import CameraConfig  # noqa: E402
-from mani_skill.utils import sapien_utils  # noqa: E402
 from mani_skill.utils.building import actors  # noqa: E402
 from mani_skill.utils.registration import register_env  # noqa: E402
-from mani_skill.utils.scene_builder.table import TableSceneBuilder  # noqa: E402
 from mani_skill.utils.structs import Pose  # noqa: E402
 
 from envs.errors import InstructionError, InvalidOptionError  # noqa: E402
+from envs.maniskill_tasks.table_scene import (GAIN, _TableTask, _check_cpu_single, _disc_builder, _move,  # noqa: E402
+                                              _p, _raw_pose, _rot, _yaw_quat)
 from envs.suite import Suite, Task, check_layout_rho  # noqa: E402
 
-# ============================================================================================ #
-# Shared geometry helpers
-# ============================================================================================ #
-ROBOT_BASE = (-0.615, 0.0, 0.0)
-PARK = np.array([5.0, 5.0, 1.0])  # where unused kinematic actors wait (far from everything)
-
-
-def _yaw_quat(yaw: float) -> list[float]:
-    return [float(np.cos(yaw / 2)), 0.0, 0.0, float(np.sin(yaw / 2))]
-
-
-# These tasks run on the CPU backend with one env (ManiSkill refuses more there): poses are read
-# straight from the SAPIEN objects, ~50x cheaper than ManiSkill's batched torch accessors.
-def _p(x: Any) -> np.ndarray:
-    """World position (3,) of an Actor or Link."""
-    return np.asarray(x._objs[0].pose.p, dtype=np.float64)
-
-
-def _rot(x: Any) -> np.ndarray:
-    """World rotation matrix (3, 3) of an Actor or Link."""
-    return x._objs[0].pose.to_transformation_matrix()[:3, :3]
-
-
-def _raw_pose(x: Any, device: Any) -> torch.Tensor:
-    pose = x._objs[0].pose
-    return torch.as_tensor(np.r_[pose.p, pose.q], dtype=torch.float32, device=device)[None]
-
-
-class _TableTask(BaseEnv):
-    """What both groundflow tasks share: the Panda at ROBOT_BASE on ManiSkill's table, the same
-    sensor camera, and a render camera aimed ``render_target_z`` metres above the table.
-
-    BLAS threads (the CPU ``pd_ee_*`` IK does ~50 tiny numpy solves per step) are limited to one
-    process-wide by ``envs.platform_setup.setup``, which ``envs.maniskill`` runs before import."""
-
-    render_target_z = 0.1
-
-    @property
-    def _default_sensor_configs(self):
-        return [_look_at_camera(eye=[0.3, 0, 0.6], target=[-0.1, 0, 0.1])]
-
-    @property
-    def _default_human_render_camera_configs(self):
-        return CameraConfig("render_camera", sapien_utils.look_at([0.6, 0.7, 0.6], [0.0, 0.0, self.render_target_z]),
-                            512, 512, 1, 0.01, 100)
-
-    def _load_agent(self, options: dict):
-        super()._load_agent(options, sapien.Pose(p=list(ROBOT_BASE)))
-
-    def _build_table(self) -> None:
-        self.table_scene = TableSceneBuilder(env=self, robot_init_qpos_noise=self.robot_init_qpos_noise)
-        self.table_scene.build()
-
-
-def _check_cpu_single(env: BaseEnv) -> None:
-    if env.gpu_sim_enabled or env.num_envs != 1:
-        raise InvalidOptionError(f"{type(env).__name__} runs on the CPU backend with num_envs=1 "
-                                 f"(got num_envs={env.num_envs}, gpu={env.gpu_sim_enabled})")
-
-
-def _disc_builder(scene, radius: float, colors: list[list[float]], name: str, pose: sapien.Pose):
-    """A flat visual-only target disc (concentric rings), kinematic so its pose is in sim state."""
-    builder = scene.create_actor_builder()
-    rot = sapien.Pose(q=[np.sqrt(0.5), 0, np.sqrt(0.5), 0])  # cylinder axis x -> z
-    n = len(colors)
-    for i, c in enumerate(colors):
-        builder.add_cylinder_visual(radius=radius * (n - i) / n, half_length=5e-4 + i * 1e-5, pose=rot,
-                                    material=sapien.render.RenderMaterial(base_color=c))
-    builder.set_initial_pose(pose)
-    return builder.build_kinematic(name=name)
-
-
-def _look_at_camera(eye, target, name: str = "base_camera", size: int = 128) -> CameraConfig:
-    return CameraConfig(name, sapien_utils.look_at(eye=eye, target=target), size, size, np.pi / 2, 0.01, 100)
-
-
-# ============================================================================================ #
-# Tabletop suite
-# ============================================================================================ #
 CUBE_HALF = 0.02
 CUBES = ("red", "green", "blue")
 CUBE_RGBA = {"red": [0.86, 0.12, 0.12, 1], "green": [0.12, 0.66, 0.2, 1], "blue": [0.12, 0.3, 0.86, 1]}
@@ -226,7 +137,8 @@ class GroundflowTabletopEnv(_TableTask):
         if "task_id" in options:
             self.commanded_task_id = _check_task_id(options["task_id"])
         self.episode_layout = _check_layout(options.get("layout", self.layout))
-        rho = check_layout_rho(options["layout_rho"], self.episode_layout) if "layout_rho" in options else self.layout_rho
+        rho = (check_layout_rho(options["layout_rho"], self.episode_layout) if "layout_rho" in options
+               else self.layout_rho)
         with torch.device(self.device):
             self.table_scene.initialize(env_idx)
             rng = self._episode_rng
@@ -380,15 +292,8 @@ CARRY_Z = 0.13  # TCP height while carrying a cube (its bottom then clears the o
 LIFT_Z = 0.16  # TCP target height of the pick family
 PUSH_Z = 0.018  # TCP height while pushing
 PUSH_BACKOFF = 0.05  # TCP starts a push this far behind the cube centre
-GAIN = 12.0  # action per metre of position error (0.1 m per unit: ~1.2 x the error per step)
 HELD_WIDTH = 0.0415  # finger opening (m) below which a cube between the fingers counts as held
 OPEN_WIDTH = 0.07
-
-
-def _move(tcp: np.ndarray, target: np.ndarray, vmax: float = 1.0) -> np.ndarray:
-    a = GAIN * (np.asarray(target) - tcp)
-    n = np.linalg.norm(a)
-    return a * (vmax / n) if n > vmax else a
 
 
 class TabletopExpert:
@@ -556,281 +461,3 @@ class TabletopExpert:
         if cube[2] - place_z < 0.006 and dxy < 0.008:  # at place height, aligned: release
             return np.r_[_move(tcp, target), 1.0]
         return np.r_[_move(tcp, target, 0.5), -1.0]  # descend, correcting xy on the way
-
-
-# ============================================================================================ #
-# Collision avoidance
-# ============================================================================================ #
-OBSTACLE_MODES = ("none", "box", "sphere", "random")
-GOAL_TOLERANCE = 0.025  # success: TCP within this distance of the goal point
-# Obstacle pool, built once (sizes fixed per actor so the sim state alone fixes the geometry);
-# unused ones are parked far away. Boxes are axis-aligned.
-BOX_HALF_SIZES = ((0.06, 0.025, 0.06), (0.05, 0.035, 0.05))  # thin in y: walls across the sideways path
-SPHERE_RADII = (0.055, 0.045)
-OBSTACLE_TYPES = {"none": 0, "box": 1, "sphere": 2}
-# ee_delta_scale: metres the TCP moves per unit action per control step in pd_ee_delta_pos. The
-# controller targets 0.1 m per unit from the *current* pose each step and the joint PD gets ~40%
-# of the way before the next target replaces it: a one-step action moves the TCP 0.038-0.041 m in
-# total (x within one step; y and z over two: 0.018 + 0.017 + 0.004). Linear model
-# tcp + cumsum(a[:, :3]) * 0.0396 against the real path (20 episodes): 8-step chunks of the
-# expert, max error per chunk 6 mm mean / 13 mm p95; with action noise 0.3, 21 / 32 mm.
-EE_DELTA_SCALE = 0.0396
-EE_DELTA_TARGET_SCALE = 0.1
-
-
-@register_env("GroundflowCollisionAvoidance-v1", max_episode_steps=60)
-class GroundflowCollisionAvoidanceEnv(_TableTask):
-    """Reach a goal point with the TCP; evaluation places obstacles across the straight path.
-
-    ``obstacles`` (constructor, or ``reset(options={"obstacles": ...})`` for one episode): "none"
-    (demonstrations), "box", "sphere" (one obstacle) or "random" (one or two, each a box or a
-    sphere). One seed gives the same start and goal under every mode. Obstacle centres lie on the
-    straight start->goal segment (fraction 0.5, or 0.35 and 0.72 for two) with a lateral offset
-    below 40% of their smallest half size, so the straight path always passes through them.
-    Obstacles are kinematic (they never move).
-
-    info: ``success`` (TCP within ``GOAL_TOLERANCE`` of the goal), ``dist_to_goal``,
-    ``collision`` (this step), ``collided`` (any step of the episode so far), ``clearance``
-    (signed distance from the gripper key points - TCP, both finger pads, hand - to the nearest
-    obstacle surface; +inf without obstacles), ``min_clearance`` (episode minimum),
-    ``obstacles`` ((2, 7) rows ``[type, cx, cy, cz, hx, hy, hz]``, type 0 absent / 1 box with half
-    extents h / 2 sphere with radius hx = hy = hz; metres, world frame).
-
-    Collision = (a) a PhysX contact between any robot link and an obstacle with penetration
-    (separation <= 1 mm) or a non-zero impulse, from the last physics sub-step of the control
-    step, or (b) a gripper key point inside an obstacle (geometric check, catches tunnelling).
-    ``collided`` and ``min_clearance`` are episode bookkeeping, not simulator state: restoring a
-    state with ``set_state`` does not restore them (obstacles and goal are restored: they are
-    kinematic actors whose poses are in the state). The hand starts turned 90 degrees about z so
-    its narrow side faces the mostly sideways path.
-    """
-
-    SUPPORTED_ROBOTS = ["panda"]
-    agent: Panda
-    default_max_steps = 60  # the straight expert needs 12-21 steps
-    ee_delta_scale = EE_DELTA_SCALE
-    ee_delta_target_scale = EE_DELTA_TARGET_SCALE
-    goal_tolerance = GOAL_TOLERANCE
-
-    def __init__(self, *args, robot_uids: str = "panda", robot_init_qpos_noise: float = 0.02,
-                 obstacles: str = "none", **kwargs):
-        if obstacles not in OBSTACLE_MODES:
-            raise InvalidOptionError(f"obstacles must be one of {list(OBSTACLE_MODES)}, got {obstacles!r}")
-        self.obstacle_mode = obstacles
-        self.robot_init_qpos_noise = robot_init_qpos_noise
-        self.start_tcp = np.zeros(3)
-        self._collided = False
-        self._min_clearance = float("inf")
-        super().__init__(*args, robot_uids=robot_uids, **kwargs)
-        _check_cpu_single(self)
-
-    render_target_z = 0.2
-
-    def _load_scene(self, options: dict):
-        self._build_table()
-        self.goal_marker = actors.build_sphere(self.scene, radius=0.015, color=[0.1, 0.8, 0.2, 1], name="goal",
-                                               body_type="kinematic", add_collision=False,
-                                               initial_pose=sapien.Pose(p=[0, 0, 0.3]))
-        color = [0.9, 0.45, 0.1, 1]
-        self.obstacle_specs: list[tuple[int, np.ndarray]] = []
-        self.obstacle_actors = []
-        for i, h in enumerate(BOX_HALF_SIZES):
-            self.obstacle_actors.append(actors.build_box(self.scene, half_sizes=list(h), color=color, name=f"box{i}",
-                                                         body_type="kinematic",
-                                                         initial_pose=sapien.Pose(p=list(PARK + [i, 0, 0]))))
-            self.obstacle_specs.append((OBSTACLE_TYPES["box"], np.array(h)))
-        for i, r in enumerate(SPHERE_RADII):
-            self.obstacle_actors.append(actors.build_sphere(self.scene, radius=r, color=color, name=f"sphere{i}",
-                                                            body_type="kinematic",
-                                                            initial_pose=sapien.Pose(p=list(PARK + [0, i + 1, 0]))))
-            self.obstacle_specs.append((OBSTACLE_TYPES["sphere"], np.array([r, r, r])))
-        self._robot_entities = [link._bodies[0].entity for link in self.agent.robot.get_links()]
-        self._obstacle_entities = [a._bodies[0].entity for a in self.obstacle_actors]
-        keys = ("panda_hand_tcp", "panda_leftfinger_pad", "panda_rightfinger_pad", "panda_hand")
-        self._key_links = [l for l in self.agent.robot.get_links() if l.name in keys]
-
-    def _initialize_episode(self, env_idx: torch.Tensor, options: dict):
-        options = options or {}
-        mode = options.get("obstacles", self.obstacle_mode)
-        if mode not in OBSTACLE_MODES:
-            raise InvalidOptionError(f"obstacles must be one of {list(OBSTACLE_MODES)}, got {mode!r}")
-        with torch.device(self.device):
-            self.table_scene.initialize(env_idx)
-            # Turn the hand 90 degrees about z so its narrow side (not its 0.2 m width) faces
-            # the mostly sideways (y) path: obstacles near the start then do not touch it.
-            qpos = self.agent.robot.get_qpos().clone()
-            qpos[:, 6] += np.pi / 2
-            self.agent.reset(qpos)
-            rng = self._episode_rng
-            start = self._forward_tcp()
-            side = 1.0 if rng.rand() < 0.5 else -1.0
-            goal = np.array([rng.uniform(-0.1, 0.1), side * rng.uniform(0.25, 0.32), rng.uniform(0.08, 0.26)])
-            self.goal_marker.set_pose(Pose.create_from_pq(p=goal.tolist()))
-            # Draw every obstacle variable whatever the mode, so one seed gives the same start
-            # and goal with and without obstacles.
-            n_random = 1 + int(rng.rand() < 0.5)
-            kinds = rng.randint(2, size=2)
-            which = rng.randint(2, size=2)
-            lateral = rng.uniform(-1, 1, size=(2, 3))
-            if mode == "none":
-                chosen: list[int] = []
-            elif mode in ("box", "sphere"):
-                chosen = [(0 if mode == "box" else 2) + int(which[0])]
-            else:
-                chosen = [2 * int(kinds[0]) + int(which[0])]
-                if n_random == 2:
-                    second = 2 * int(kinds[1]) + int(which[1])
-                    chosen.append(second if second != chosen[0] else (second ^ 1))
-            fracs = [0.5] if len(chosen) == 1 else [0.35, 0.72]
-            path = goal - start
-            u = path / np.linalg.norm(path)
-            for k, a in enumerate(self.obstacle_actors):
-                a.set_pose(Pose.create_from_pq(p=(PARK + [k, 0, 0]).tolist()))
-            for j, k in enumerate(chosen):
-                h = self.obstacle_specs[k][1]
-                off = lateral[j] - (lateral[j] @ u) * u  # perpendicular to the path
-                size = np.linalg.norm(off)
-                center = start + fracs[j] * path + 0.4 * float(h.min()) * min(1.0, size) * off / max(size, 1e-9)
-                self.obstacle_actors[k].set_pose(Pose.create_from_pq(p=center.tolist()))
-            self.start_tcp = start
-        self._collided = False
-        self._min_clearance = float("inf")
-
-    def _forward_tcp(self) -> np.ndarray:
-        """TCP position of the freshly reset robot (the robot's qpos is set, poses follow)."""
-        return _p(self.agent.tcp)
-
-    # ----- geometry ---------------------------------------------------------------------------
-    @property
-    def active_obstacles(self) -> list[int]:
-        """Pool indices of the obstacles in the scene, read from their poses (so a restored
-        simulator state brings its obstacles with it); parked ones are far away."""
-        return [k for k, a in enumerate(self.obstacle_actors) if np.linalg.norm(_p(a)[:2]) < 2.0]
-
-    def obstacle_array(self) -> np.ndarray:
-        """(2, 7) float32 rows ``[type, cx, cy, cz, hx, hy, hz]`` of the active obstacles (type 0 = none)."""
-        out = np.zeros((2, 7), dtype=np.float32)
-        for j, k in enumerate(self.active_obstacles):
-            kind, h = self.obstacle_specs[k]
-            out[j] = [kind, *_p(self.obstacle_actors[k]), *h]
-        return out
-
-    def obstacle_list(self) -> list[dict]:
-        """Active obstacles as dicts: ``{"type": "box", "center", "half_size"}`` or
-        ``{"type": "sphere", "center", "radius"}`` (metres, world frame)."""
-        out = []
-        for row in self.obstacle_array():
-            if row[0] == 1:
-                out.append({"type": "box", "center": row[1:4].copy(), "half_size": row[4:7].copy()})
-            elif row[0] == 2:
-                out.append({"type": "sphere", "center": row[1:4].copy(), "radius": float(row[4])})
-        return out
-
-    def tcp_and_goal(self) -> tuple[np.ndarray, np.ndarray]:
-        """Current TCP position and goal point (world frame, metres)."""
-        return _p(self.agent.tcp), _p(self.goal_marker)
-
-    def predict_tcp_path(self, actions: np.ndarray, tcp: np.ndarray | None = None) -> np.ndarray:
-        """Linear model of the TCP path under an action chunk: ``tcp + cumsum(a[:, :3]) * ee_delta_scale``."""
-        tcp = self.tcp_and_goal()[0] if tcp is None else np.asarray(tcp)
-        return tcp + np.cumsum(np.asarray(actions)[:, :3], axis=0) * self.ee_delta_scale
-
-    def _clearance(self) -> float:
-        pts = np.stack([_p(l) for l in self._key_links])
-        best = float("inf")
-        for row in self.obstacle_array():
-            if row[0] == 1:
-                q = np.abs(pts - row[1:4]) - row[4:7]
-                sd = np.linalg.norm(np.maximum(q, 0), axis=1) + np.minimum(q.max(axis=1), 0)
-            elif row[0] == 2:
-                sd = np.linalg.norm(pts - row[1:4], axis=1) - row[4]
-            else:
-                continue
-            best = min(best, float(sd.min()))
-        return best
-
-    def colliding_links(self) -> list[str]:
-        """Names of robot links in contact with an active obstacle (diagnostics)."""
-        obst = [self._obstacle_entities[k] for k in self.active_obstacles]
-        names = set()
-        for contact in self.scene.get_contacts():
-            e0, e1 = contact.bodies[0].entity, contact.bodies[1].entity
-            for x, y in ((e0, e1), (e1, e0)):
-                if any(x == o for o in obst) and any(y == r for r in self._robot_entities):
-                    if any(p.separation <= 1e-3 for p in contact.points):
-                        names.add(y.name)
-        return sorted(names)
-
-    def _contact_collision(self) -> bool:
-        active = self.active_obstacles
-        if not active:
-            return False
-        obst = [self._obstacle_entities[k] for k in active]
-        for contact in self.scene.get_contacts():
-            e0, e1 = contact.bodies[0].entity, contact.bodies[1].entity
-            hit = (any(e0 == o for o in obst) and any(e1 == r for r in self._robot_entities)) or (
-                any(e1 == o for o in obst) and any(e0 == r for r in self._robot_entities))
-            if hit and any(p.separation <= 1e-3 or np.linalg.norm(p.impulse) > 0 for p in contact.points):
-                return True
-        return False
-
-    def evaluate(self) -> dict:
-        tcp, goal = self.tcp_and_goal()
-        dist = float(np.linalg.norm(goal - tcp))
-        clearance = self._clearance()
-        collision = self._contact_collision() or clearance < 0
-        self._collided = self._collided or collision
-        self._min_clearance = min(self._min_clearance, clearance)
-        one = lambda v, dt=torch.float32: torch.tensor([v], dtype=dt, device=self.device)  # noqa: E731
-        return {"success": one(dist < GOAL_TOLERANCE, torch.bool), "dist_to_goal": one(dist),
-                "collision": one(collision, torch.bool), "collided": one(self._collided, torch.bool),
-                "clearance": one(clearance), "min_clearance": one(self._min_clearance),
-                "obstacles": torch.as_tensor(self.obstacle_array(), device=self.device)[None]}
-
-    def _get_obs_extra(self, info: dict):
-        # No obstacle information: policies are trained without obstacles; guidance adds them.
-        obs = dict(tcp_pose=_raw_pose(self.agent.tcp, self.device))
-        if self.obs_mode_struct.use_state:
-            tcp, goal = self.tcp_and_goal()
-            obs.update(goal_pos=torch.as_tensor(goal, dtype=torch.float32, device=self.device)[None],
-                       tcp_to_goal=torch.as_tensor(goal - tcp, dtype=torch.float32, device=self.device)[None])
-        return obs
-
-    def compute_dense_reward(self, obs: Any, action: torch.Tensor, info: dict):
-        reward = 1 - torch.tanh(5 * info["dist_to_goal"])
-        reward = reward - 0.5 * info["collision"].float()
-        reward[info["success"]] = 1.0
-        return reward
-
-    def compute_normalized_dense_reward(self, obs: Any, action: torch.Tensor, info: dict):
-        return self.compute_dense_reward(obs=obs, action=action, info=info)
-
-    def make_expert(self, noise: float = 0.0, seed: int | None = None, vmax: float = 0.5):
-        """Straight-line reach expert (never looks at obstacles)."""
-        return StraightReachExpert(noise=noise, seed=seed, vmax=vmax)
-
-
-class StraightReachExpert:
-    """Moves the TCP straight at the goal: ``a = clip(gain * (goal - tcp))``, gripper closed."""
-
-    def __init__(self, noise: float = 0.0, seed: int | None = None, vmax: float = 0.5):
-        if noise < 0 or not 0 < vmax <= 1:
-            raise InvalidOptionError(f"need noise >= 0 and 0 < vmax <= 1, got noise={noise}, vmax={vmax}")
-        self.noise, self.vmax = float(noise), float(vmax)
-        self.rng = np.random.default_rng(seed)
-        self.raw: GroundflowCollisionAvoidanceEnv | None = None
-
-    def reset(self, env: Any, obs: dict | None = None) -> None:
-        self.raw = getattr(env, "raw", env)
-        if not isinstance(self.raw, GroundflowCollisionAvoidanceEnv):
-            raise InvalidOptionError("StraightReachExpert needs the collision-avoidance env, "
-                                     f"got {type(self.raw).__name__}")
-
-    def act(self, obs: dict | None = None) -> np.ndarray:
-        if self.raw is None:
-            raise RuntimeError("call expert.reset(env, obs) before act()")
-        tcp, goal = self.raw.tcp_and_goal()
-        a = _move(tcp, goal, self.vmax)
-        if self.noise > 0:
-            a = np.clip(a + self.rng.normal(0, self.noise, 3), -1, 1)
-        return np.r_[a, -1.0].astype(np.float32)
