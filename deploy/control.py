@@ -105,15 +105,15 @@ class EpisodeResult:
     events: list[dict] = field(default_factory=list, repr=False)
 
     def summary(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("actions", "events"):
-            d.pop(k)
-        d["n_holds"] = len(self.holds)
-        d["n_chunks"] = len(self.switches)
-        d["plan_deviation_mean"] = float(np.mean(self.deviations)) if self.deviations else None
-        for k in ("holds", "switches", "deviations"):
-            d.pop(k)
-        return d
+        out = asdict(self)
+        for name in ("actions", "events"):
+            out.pop(name)
+        out["n_holds"] = len(self.holds)
+        out["n_chunks"] = len(self.switches)
+        out["plan_deviation_mean"] = float(np.mean(self.deviations)) if self.deviations else None
+        for name in ("holds", "switches", "deviations"):
+            out.pop(name)
+        return out
 
 
 class _Fetcher:
@@ -171,6 +171,44 @@ class _Fetcher:
         self._thread.join(timeout=0.1)
 
 
+@dataclass
+class _Episode:
+    """What one episode accumulates while the loop runs it (plan, schedule, logs, end state)."""
+    counts0: dict[str, int]
+    """the safety layer's intervention counts at the start (the result reports this episode's only)"""
+    t_start: float
+    """wall-clock start (time.time()): the safety events since then are this episode's"""
+    plan: ChunkPlan
+    ens: TemporalEnsembler | None
+    fetcher: _Fetcher | None
+    """background requests (realtime); None: synchronous requests (lockstep)"""
+    obs: Obs = field(default_factory=dict)
+    """the latest observation"""
+    lat_steps: int = 0
+    """measured request latency in ticks"""
+    t_next: float = 0.0
+    """deadline of the next tick (time.perf_counter())"""
+    last_status: float = 0.0
+    rtts: list[float] = field(default_factory=list)
+    infers: list[float] = field(default_factory=list)
+    sent: list[np.ndarray] = field(default_factory=list)
+    holds: list[int] = field(default_factory=list)
+    ticks: list[float] = field(default_factory=list)
+    sends: list[float] = field(default_factory=list)
+    work: list[float] = field(default_factory=list)
+    reason: str = "max_steps"
+    hold_since: float | None = None
+    """tick time at which the current run of watchdog holds began (None: not holding)"""
+    stop_at: float | None = None
+    """tick time at which a stop signal was first seen (braking since)"""
+    lost: str | None = None
+    """why the policy connection was lost (None: connected)"""
+    failing: str | None = None
+    """the last request error since the last chunk was adopted"""
+    error: str | None = None
+    """the exception that ended the episode"""
+
+
 class ControlLoop:
     """Runs episodes of ``source``'s policy on ``robot`` through ``safety`` (made if omitted)."""
 
@@ -199,145 +237,177 @@ class ControlLoop:
 
     # ----- one episode ----------------------------------------------------------------------
     def run_episode(self, seed: int | None = None, task_id: int = 0) -> EpisodeResult:
-        cfg, robot, safety = self.config, self.robot, self.safety
+        """Run one episode tick by tick until an end condition; the reason is recorded (and the
+        recording closed) even when an exception ends it."""
+        episode = self._start_episode(seed, task_id)
+        try:
+            for step in range(self.config.max_steps):
+                end = self._tick(episode, step)
+                if end is not None:
+                    episode.reason = end
+                    break
+        except BaseException as e:  # record why the episode really ended, not "max_steps"
+            episode.reason = "interrupted" if isinstance(e, KeyboardInterrupt) else "error"
+            episode.error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            if episode.fetcher is not None:
+                episode.fetcher.close()
+            if self.config.status:
+                sys.stderr.write("\n")
+            if self.recorder is not None:
+                self._end_recording(episode.reason, episode.error)
+        return self._result(episode)
+
+    def _start_episode(self, seed: int | None, task_id: int) -> _Episode:
+        """Reconnect and reset the source and the safety layer, and fetch the first chunk before
+        the clock starts (the robot is at rest)."""
+        cfg, safety = self.config, self.safety
         if not getattr(self.source, "healthy", True) and hasattr(self.source, "connect"):
             self.source.connect()  # the server was lost in an earlier episode: reconnect (or raise)
         if hasattr(self.source, "reset"):
             self.source.reset()
         safety.reset()
-        counts0, t_start = dict(safety.counts), time.time()  # this episode's interventions only
-        plan = ChunkPlan(self.n_exec)
-        ens = TemporalEnsembler(cfg.ensemble) if cfg.ensemble is not None else None
-        fetcher = _Fetcher(self.source) if cfg.realtime else None
-        obs = self._observe()
-        # the first chunk is fetched before the clock starts (the robot is at rest)
-        reply = self.source.infer(obs, seed=self._seed(0))
+        episode = _Episode(counts0=dict(safety.counts), t_start=time.time(),  # this episode's interventions only
+                           plan=ChunkPlan(self.n_exec),
+                           ens=TemporalEnsembler(cfg.ensemble) if cfg.ensemble is not None else None,
+                           fetcher=_Fetcher(self.source) if cfg.realtime else None)
+        episode.obs = self._observe()
+        reply = self.source.infer(episode.obs, seed=self._seed(0))
         if self.recorder is not None:
-            self.recorder.start_episode(obs["instruction"], task_id=task_id, seed=seed)
-        rtts = [reply.timing.get("rtt_ms", 0.0)]
-        infers = [reply.timing.get("infer_ms", 0.0)]
-        lat_steps = self._lat_steps(rtts[-1] / 1e3)
-        self._adopt(plan, ens, reply.actions, 0, 0)
-        sent: list[np.ndarray] = []
-        holds: list[int] = []
-        ticks: list[float] = []
-        sends: list[float] = []
-        work: list[float] = []
-        reason, hold_since, stop_at = "max_steps", None, None
-        lost: str | None = None
-        failing: str | None = None  # the last request error since the last chunk was adopted
-        error: str | None = None
-        t_next = time.perf_counter()
-        last_status = 0.0
-        step = 0
-        try:
-            for step in range(cfg.max_steps):
-                if cfg.realtime:
-                    delay = t_next - time.perf_counter()
-                    if delay > 0:
-                        _sleep_until(t_next)
-                t_tick = time.perf_counter()
-                ticks.append(t_tick)
-                if step > 0:
-                    try:
-                        obs = self._observe()
-                    except Exception as e:  # the driver failed: hold, log, end the episode
-                        safety._event("driver_error", f"get_observation: {type(e).__name__}: {e}")
-                        safety.faulted = safety.faulted or f"{type(e).__name__}: {e}"
-                        _try(lambda: self.robot.send_action(safety._hold_target().astype(np.float32)))
-                        reason = "driver_error"
-                        break
-                # ---- adopt / request chunks --------------------------------------------
-                if fetcher is not None:
-                    got = fetcher.poll()
-                    if got is not None:
-                        rep, s, dt_req = got
-                        rtts.append(rep.timing.get("rtt_ms", dt_req * 1e3))
-                        infers.append(rep.timing.get("infer_ms", 0.0))
-                        lat_steps = self._lat_steps(float(np.median(rtts[-10:])) / 1e3)
-                        self._adopt(plan, ens, rep.actions, s, step)
-                        failing = None
-                    if self._need_chunk(plan, ens, step, lat_steps + cfg.margin_steps):
-                        prefix = plan.future(step) if cfg.rtc else None
-                        fetcher.submit(obs, step, prefix, lat_steps, self._seed(step))
-                elif self._need_chunk(plan, ens, step, 0):
-                    prefix = plan.future(step) if cfg.rtc else None
-                    try:
-                        rep = self.source.infer(obs, prefix=prefix, frozen=0, seed=self._seed(step))
-                        rtts.append(rep.timing.get("rtt_ms", 0.0))
-                        infers.append(rep.timing.get("infer_ms", 0.0))
-                        self._adopt(plan, ens, rep.actions, step, step)
-                        failing = None
-                    except DeployError as e:
-                        safety._event("watchdog", f"policy request failed: {e}")
-                        failing = f"{type(e).__name__}: {e}"
-                # ---- command -------------------------------------------------------------
-                action = ens.action_at(step) if ens is not None else plan.action_at(step)
-                if fetcher is not None and fetcher.error is not None:
-                    err, fetcher.error = fetcher.error, None
-                    if isinstance(err, PolicyUnavailableError):
-                        lost = f"{type(err).__name__}: {err}"
-                    else:  # the server answered with an error: log it, ask again next tick
-                        safety._event("watchdog", f"policy request failed: {type(err).__name__}: {err}")
-                        failing = f"{type(err).__name__}: {err}"
-                healthy = lost is None and bool(getattr(self.source, "healthy", True))
-                sim_state = self._sim_state()
-                if safety.stop_requested:
-                    stop_at = stop_at or t_tick
-                    cmd = safety.hold("")
-                    holds.append(step)
-                elif action is None or not healthy:
-                    why = "no fresh action (plan used up)" if healthy else f"policy unavailable: {lost or 'connection lost'}"
-                    cmd = safety.hold("watchdog", why)
-                    holds.append(step)
-                    hold_since = hold_since or t_tick
-                else:
-                    cmd = safety.command(action)
-                    hold_since = None
-                if safety.faulted:  # the driver did not take this command: not executed, not recorded
-                    reason = "driver_error"
-                    break
-                sends.append(time.perf_counter())
-                sent.append(cmd)
-                self._record(obs, cmd, sim_state)
-                work.append(time.perf_counter() - t_tick)
-                if cfg.status and t_tick - last_status > 0.5:
-                    last_status = t_tick
-                    self._status(step, ticks, rtts, len(holds))
-                # ---- end conditions ----------------------------------------------------
-                if stop_at is not None and t_tick - stop_at >= cfg.stop_brake_s:
-                    reason = "stop_signal"
-                    break
-                if getattr(robot, "done", False):
-                    reason = "done"
-                    break
-                if hold_since is not None and not healthy and t_tick - hold_since >= cfg.max_hold_s:
-                    reason = "policy_lost"
-                    break
-                if hold_since is not None and failing is not None and t_tick - hold_since >= cfg.max_hold_s:
-                    reason = "policy_failed"  # connected, but every request since the plan ran out failed
-                    break
-                t_next += self.period
-                if cfg.realtime and time.perf_counter() > t_next + self.period:
-                    t_next = time.perf_counter()  # fell behind by more than a tick: re-anchor
-        except BaseException as e:  # record why the episode really ended, not "max_steps"
-            reason = "interrupted" if isinstance(e, KeyboardInterrupt) else "error"
-            error = f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            if fetcher is not None:
-                fetcher.close()
-            if cfg.status:
-                sys.stderr.write("\n")
-            if self.recorder is not None:
-                self._end_recording(reason, error)
-        result = EpisodeResult(
-            steps=len(sent), success=bool(getattr(robot, "success", False)), reason=reason,
-            interventions={k: v - counts0.get(k, 0) for k, v in safety.summary()["counts"].items()}, timing=_timing(ticks, sends, work, self.period, rtts, infers),
-            actions=np.asarray(sent, np.float32).reshape(len(sent), -1), holds=holds,
-            switches=list(plan.switches) if ens is None else [], deviations=list(plan.deviations),
-            events=[e for e in safety.events if e["t"] >= t_start])
-        return result
+            self.recorder.start_episode(episode.obs["instruction"], task_id=task_id, seed=seed)
+        episode.rtts.append(reply.timing.get("rtt_ms", 0.0))
+        episode.infers.append(reply.timing.get("infer_ms", 0.0))
+        episode.lat_steps = self._lat_steps(episode.rtts[-1] / 1e3)
+        self._adopt(episode.plan, episode.ens, reply.actions, 0, 0)
+        episode.t_next = time.perf_counter()
+        return episode
+
+    def _tick(self, episode: _Episode, step: int) -> str | None:
+        """One control period: wait for its deadline, observe, refresh the plan, command, record.
+        Returns why the episode ends here (None: it goes on)."""
+        cfg = self.config
+        if cfg.realtime:
+            delay = episode.t_next - time.perf_counter()
+            if delay > 0:
+                _sleep_until(episode.t_next)
+        t_tick = time.perf_counter()
+        episode.ticks.append(t_tick)
+        if step > 0:
+            try:
+                episode.obs = self._observe()
+            except Exception as e:  # the driver failed: hold, log, end the episode
+                self.safety.report_driver_error(e, during="get_observation")
+                return "driver_error"
+        self._refresh_plan(episode, step)
+        action = episode.ens.action_at(step) if episode.ens is not None else episode.plan.action_at(step)
+        self._take_request_error(episode)
+        healthy = episode.lost is None and bool(getattr(self.source, "healthy", True))
+        sim_state = self._sim_state()
+        cmd = self._command(episode, step, t_tick, action, healthy)
+        if self.safety.faulted:  # the driver did not take this command: not executed, not recorded
+            return "driver_error"
+        episode.sends.append(time.perf_counter())
+        episode.sent.append(cmd)
+        self._record(episode.obs, cmd, sim_state)
+        episode.work.append(time.perf_counter() - t_tick)
+        if cfg.status and t_tick - episode.last_status > 0.5:
+            episode.last_status = t_tick
+            self._status(step, episode.ticks, episode.rtts, len(episode.holds))
+        end = self._end_reason(episode, t_tick, healthy)
+        if end is not None:
+            return end
+        episode.t_next += self.period
+        if cfg.realtime and time.perf_counter() > episode.t_next + self.period:
+            episode.t_next = time.perf_counter()  # fell behind by more than a tick: re-anchor
+        return None
+
+    def _refresh_plan(self, episode: _Episode, step: int) -> None:
+        """Adopt a chunk that arrived and request the next one early enough (realtime: in the
+        background, lead = measured latency + margin; lockstep: synchronously, when it runs out)."""
+        cfg, fetcher, plan, ens = self.config, episode.fetcher, episode.plan, episode.ens
+        if fetcher is not None:
+            got = fetcher.poll()
+            if got is not None:
+                reply, start_step, request_s = got
+                episode.rtts.append(reply.timing.get("rtt_ms", request_s * 1e3))
+                episode.infers.append(reply.timing.get("infer_ms", 0.0))
+                episode.lat_steps = self._lat_steps(float(np.median(episode.rtts[-10:])) / 1e3)
+                self._adopt(plan, ens, reply.actions, start_step, step)
+                episode.failing = None
+            if self._need_chunk(plan, ens, step, episode.lat_steps + cfg.margin_steps):
+                prefix = plan.future(step) if cfg.rtc else None
+                fetcher.submit(episode.obs, step, prefix, episode.lat_steps, self._seed(step))
+        elif self._need_chunk(plan, ens, step, 0):
+            prefix = plan.future(step) if cfg.rtc else None
+            try:
+                reply = self.source.infer(episode.obs, prefix=prefix, frozen=0, seed=self._seed(step))
+                episode.rtts.append(reply.timing.get("rtt_ms", 0.0))
+                episode.infers.append(reply.timing.get("infer_ms", 0.0))
+                self._adopt(plan, ens, reply.actions, step, step)
+                episode.failing = None
+            except DeployError as e:
+                self.safety.report_policy_failure(f"{e}")
+                episode.failing = f"{type(e).__name__}: {e}"
+
+    def _take_request_error(self, episode: _Episode) -> None:
+        """Take the background request's error, if any: a lost connection marks the policy lost;
+        any other error (the server answered with one) is logged and asked again next tick."""
+        fetcher = episode.fetcher
+        if fetcher is None or fetcher.error is None:
+            return
+        err, fetcher.error = fetcher.error, None
+        if isinstance(err, PolicyUnavailableError):
+            episode.lost = f"{type(err).__name__}: {err}"
+        else:
+            self.safety.report_policy_failure(f"{type(err).__name__}: {err}")
+            episode.failing = f"{type(err).__name__}: {err}"
+
+    def _command(self, episode: _Episode, step: int, t_tick: float, action: np.ndarray | None,
+                 healthy: bool) -> np.ndarray:
+        """Send the planned action through the safety layer, or a hold after a stop signal, when the
+        plan is used up or when the policy is unavailable; returns what was sent."""
+        safety = self.safety
+        if safety.stop_requested:
+            episode.stop_at = episode.stop_at or t_tick
+            cmd = safety.hold("")
+            episode.holds.append(step)
+        elif action is None or not healthy:
+            why = ("no fresh action (plan used up)" if healthy else
+                   f"policy unavailable: {episode.lost or 'connection lost'}")
+            cmd = safety.hold("watchdog", why)
+            episode.holds.append(step)
+            episode.hold_since = episode.hold_since or t_tick
+        else:
+            cmd = safety.command(action)
+            episode.hold_since = None
+        return cmd
+
+    def _end_reason(self, episode: _Episode, t_tick: float, healthy: bool) -> str | None:
+        """Why the episode ends after this tick's command (None: it goes on)."""
+        cfg = self.config
+        if episode.stop_at is not None and t_tick - episode.stop_at >= cfg.stop_brake_s:
+            return "stop_signal"
+        if getattr(self.robot, "done", False):
+            return "done"
+        hold_since = episode.hold_since
+        if hold_since is not None and not healthy and t_tick - hold_since >= cfg.max_hold_s:
+            return "policy_lost"
+        if hold_since is not None and episode.failing is not None and t_tick - hold_since >= cfg.max_hold_s:
+            return "policy_failed"  # connected, but every request since the plan ran out failed
+        return None
+
+    def _result(self, episode: _Episode) -> EpisodeResult:
+        """The episode's result: its own interventions and events only (the layer's counts span episodes)."""
+        safety, plan, sent = self.safety, episode.plan, episode.sent
+        counts = safety.summary()["counts"]
+        return EpisodeResult(
+            steps=len(sent), success=bool(getattr(self.robot, "success", False)), reason=episode.reason,
+            interventions={kind: n - episode.counts0.get(kind, 0) for kind, n in counts.items()},
+            timing=_timing(episode.ticks, episode.sends, episode.work, self.period, episode.rtts, episode.infers),
+            actions=np.asarray(sent, np.float32).reshape(len(sent), -1), holds=episode.holds,
+            switches=list(plan.switches) if episode.ens is None else [], deviations=list(plan.deviations),
+            events=[event for event in safety.events if event["t"] >= episode.t_start])
 
     # ----- helpers --------------------------------------------------------------------------
     def _observe(self) -> Obs:
@@ -385,19 +455,12 @@ class ControlLoop:
         self.recorder.end_episode(final, final_sim, {"reason": reason, **extra, **self.safety.summary()})
 
     def _status(self, step: int, ticks: list[float], rtts: list[float], n_holds: int) -> None:
-        p = np.diff(ticks[-50:]) * 1e3 if len(ticks) > 2 else np.zeros(1)
-        n_int = sum(v for k, v in self.safety.counts.items())
-        sys.stderr.write(f"\rstep {step + 1}/{self.config.max_steps} | {1e3 / max(p.mean(), 1e-9):5.1f} Hz | "
-                         f"jitter p99 {np.percentile(np.abs(p - self.period * 1e3), 99):5.2f} ms | "
+        periods_ms = np.diff(ticks[-50:]) * 1e3 if len(ticks) > 2 else np.zeros(1)
+        n_int = sum(n for kind, n in self.safety.counts.items())
+        sys.stderr.write(f"\rstep {step + 1}/{self.config.max_steps} | {1e3 / max(periods_ms.mean(), 1e-9):5.1f} Hz | "
+                         f"jitter p99 {np.percentile(np.abs(periods_ms - self.period * 1e3), 99):5.2f} ms | "
                          f"rtt {rtts[-1]:6.1f} ms | holds {n_holds} | interventions {n_int}   ")
         sys.stderr.flush()
-
-
-def _try(fn: Any) -> None:
-    try:
-        fn()
-    except Exception:
-        pass
 
 
 def _sleep_until(t: float) -> None:
@@ -416,18 +479,20 @@ def _timing(ticks: list[float], sends: list[float], work: list[float], period: f
     what the robot sees), |actual period - nominal|; work per tick; request round trips."""
     out: dict[str, Any] = {"period_ms": period * 1e3}
     if len(ticks) > 1:
-        p = np.diff(ticks) * 1e3
-        j = np.abs(p - period * 1e3)
-        out.update(period_p50_ms=float(np.percentile(p, 50)), jitter_p50_ms=float(np.percentile(j, 50)),
-                   jitter_p99_ms=float(np.percentile(j, 99)), jitter_max_ms=float(j.max()))
+        periods_ms = np.diff(ticks) * 1e3
+        jitter_ms = np.abs(periods_ms - period * 1e3)
+        out.update(period_p50_ms=float(np.percentile(periods_ms, 50)),
+                   jitter_p50_ms=float(np.percentile(jitter_ms, 50)),
+                   jitter_p99_ms=float(np.percentile(jitter_ms, 99)), jitter_max_ms=float(jitter_ms.max()))
     if len(sends) > 1:
-        j = np.abs(np.diff(sends) * 1e3 - period * 1e3)
-        out.update(command_jitter_p50_ms=float(np.percentile(j, 50)), command_jitter_p99_ms=float(np.percentile(j, 99)),
-                   command_jitter_max_ms=float(j.max()))
+        jitter_ms = np.abs(np.diff(sends) * 1e3 - period * 1e3)
+        out.update(command_jitter_p50_ms=float(np.percentile(jitter_ms, 50)),
+                   command_jitter_p99_ms=float(np.percentile(jitter_ms, 99)),
+                   command_jitter_max_ms=float(jitter_ms.max()))
     if work:
-        w = np.asarray(work) * 1e3
-        out.update(work_p50_ms=float(np.percentile(w, 50)), work_p99_ms=float(np.percentile(w, 99)),
-                   overruns=int((w > period * 1e3).sum()))
+        work_ms = np.asarray(work) * 1e3
+        out.update(work_p50_ms=float(np.percentile(work_ms, 50)), work_p99_ms=float(np.percentile(work_ms, 99)),
+                   overruns=int((work_ms > period * 1e3).sum()))
     if rtts:
         out.update(rtt_p50_ms=float(np.percentile(rtts, 50)), rtt_p99_ms=float(np.percentile(rtts, 99)),
                    infer_p50_ms=float(np.percentile(infers, 50)), n_requests=len(rtts))

@@ -48,7 +48,7 @@ from dataset import Episode
 
 __all__ = ["DebugConfig", "Outcome", "Attribution", "StepAttribution", "Ablation", "Prepared", "debug", "prepare",
            "attribute", "exhaustive_ablation", "DebuggingError", "TrajectoryError", "StateLayoutError",
-           "ModelStateError", "RolloutBudgetExceeded", "debug_command"]
+           "ModelStateError", "RolloutBudgetExceeded"]
 
 
 @dataclass
@@ -150,11 +150,11 @@ class Attribution:
         return sorted({s for S in self.causal_sets for s in S})
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("magnitudes", "normalized_magnitudes"):
-            v = getattr(self, k)
-            d[k] = None if v is None else {c: v[:, i].tolist() for i, c in enumerate(CHANNELS)}
-        return d
+        out = asdict(self)
+        for name in ("magnitudes", "normalized_magnitudes"):
+            per_step = getattr(self, name)
+            out[name] = None if per_step is None else {c: per_step[:, k].tolist() for k, c in enumerate(CHANNELS)}
+        return out
 
 
 # ----- setup -----------------------------------------------------------------------------------
@@ -170,9 +170,9 @@ class Prepared:
 
     def fresh_engine(self) -> HybridRollouts:
         """A new engine on the same residuals with an empty cache (for fair rollout counts)."""
-        e = self.engine
-        return HybridRollouts(e.model, e.policy.policy, e.traj, e.res, e.outcome, e.stride, self.config.seed
-                              if self.config else 0)
+        eng = self.engine
+        return HybridRollouts(eng.model, eng.policy.policy, eng.traj, eng.res, eng.outcome, eng.stride,
+                              self.config.seed if self.config else 0)
 
 
 def prepare(model_env: GroundflowEnv, policy: Any, episode: Episode, config: DebugConfig,
@@ -183,11 +183,12 @@ def prepare(model_env: GroundflowEnv, policy: Any, episode: Episode, config: Deb
     traj = real_trajectory(episode, model)
     config.outcome.validate(model.obs_dim)
     residuals = compute_residuals(model, traj)
-    for c in range(NC):
-        bad = ~np.all(np.isfinite(residuals.channel(c)), axis=1)
+    for channel in range(NC):
+        bad = ~np.all(np.isfinite(residuals.channel(channel)), axis=1)
         if bad.any():
-            raise TrajectoryError(f"{CHANNELS[c]} residuals are NaN/inf at steps {np.flatnonzero(bad)[:10].tolist()} "
-                                  f"(the world model {model.env_id} diverged on the real states)")
+            raise TrajectoryError(f"{CHANNELS[channel]} residuals are NaN/inf at steps "
+                                  f"{np.flatnonzero(bad)[:10].tolist()} (the world model {model.env_id} diverged on "
+                                  "the real states)")
     act_err = action_reproduction_error(model, policy, traj) if config.check_actions else None
     engine = HybridRollouts(model, policy, traj, residuals, config.outcome, config.checkpoint_stride, config.seed,
                             on_rollout)
@@ -251,174 +252,244 @@ def _quickxplain(reproduces: Callable[[frozenset], bool], candidates: list[int],
 
 def attribute(prep: Prepared, config: DebugConfig) -> Attribution:
     """Run the search on a prepared engine (see the module docstring)."""
-    eng, U = prep.engine, prep.candidates
     t_start = time.perf_counter()
-    eng.phase = "baseline"
-    all_items = eng.items(range(eng.T))
-    F0 = eng.f(frozenset())
-    FU = eng.f(all_items)
-    real = config.outcome.real_value(eng.traj)
-    gap = FU - F0
-    tol = max(config.abs_tol, config.rel_tol * abs(gap))
-    mags, nmags = prep.residuals.magnitudes(), prep.residuals.normalized_magnitudes(eng.traj)
-    out = Attribution(env_id=prep.model.env_id, T=eng.T, outcome=config.outcome.kind, model_outcome=F0,
-                      hybrid_real_outcome=FU, real_outcome=real, gap=gap, tol=tol, no_gap=False, message="",
-                      reproduction_error=None if real is None else abs(FU - real), action_error=prep.action_error,
-                      candidates=len(U), magnitudes=mags, normalized_magnitudes=nmags)
-    notes = []
-    if prep.action_error is not None and prep.action_error > 1e-4:
-        notes.append(f"the policy does not reproduce the recorded actions (max |a - a_real| = {prep.action_error:.3g}): "
-                     "a stochastic policy or another checkpoint; f(all) may differ from the real outcome")
-    if real is not None and abs(FU - real) > max(tol, 1e-6 * max(1.0, abs(real))):
-        notes.append(f"f(all) = {FU:.6g} does not reproduce the real outcome {real:.6g} (non-additive errors, "
-                     "a stochastic policy, or state the model does not carry); attributing the gap to f(all)")
-    min_gap = max(config.min_gap, config.min_gap_rel * max(abs(F0), abs(FU)))
-    if abs(gap) <= min_gap or not U:
+    search = _Search(prep, config)
+    eng = search.eng
+    out = search.baseline()
+    min_gap = max(config.min_gap, config.min_gap_rel * max(abs(search.F0), abs(search.FU)))
+    if abs(out.gap) <= min_gap or not search.candidates:
         out.no_gap = True
-        out.message = (f"no gap: the world model's outcome f({{}}) = {F0:.6g} and the real outcome f(all) = {FU:.6g} "
-                       f"differ by {abs(gap):.3g} <= {min_gap:.3g} (min_gap)" if U else
-                       "no gap: every residual is exactly zero (the model reproduces the real trajectory)")
-        out.message += "; nothing to attribute." + ("" if not notes else " Note: " + "; ".join(notes))
+        out.message = search.no_gap_message(min_gap)
         _finish(out, eng, t_start, 0)
-        out.traces = {"model": eng.result(frozenset()).trace.tolist(), "real (f(all))": eng.result(all_items).trace.tolist()}
+        out.traces = search.traces()
+        return out
+    out.rollout_budget = search.budget.cap
+    eng.max_rollouts = None  # the budget below is tighter; the engine's hard cap would lose the fallback
+    sets = search.primary_set(out)
+    if out.fell_back and not sets[0]:  # single-step ablation found no step that matters on its own
+        out.dense, out.verified = True, False
+        out.message = search.dense_message()
+        _finish(out, eng, t_start, eng.rollouts)
+        out.traces = search.traces()
+        return out
+    search.add_alternatives(sets, out.fell_back)
+    causal = search.marginal_effects(out, sets)
+    search_rollouts = eng.rollouts
+    search.type_errors(causal)
+    causal.sort(key=lambda cause: (cause.cause_set, -abs(cause.effect)))
+    out.causal, out.causal_sets = causal, sets
+    out.dense = len(sets[0]) > config.dense_fraction * max(len(search.candidates), 1)
+    out.message = search.result_message(out)
+    _finish(out, eng, t_start, search_rollouts)
+    out.traces = search.traces(frozenset(sets[0]))
+    return out
+
+
+class _Search:
+    """One attribution in progress: the engine, the reference outcomes ``F0 = f({})`` and
+    ``FU = f(all)``, the tolerance, the rollout budget, the effects measured so far and the notes
+    that end up in the message. The steps run in :func:`attribute`'s order, which fixes the
+    order of the (cached) rollouts and therefore the rollout counts and the query history."""
+
+    def __init__(self, prep: Prepared, config: DebugConfig):
+        self.prep, self.config = prep, config
+        self.eng, self.candidates = prep.engine, prep.candidates
+        self.candidate_set = frozenset(self.candidates)
+        self.all_items: frozenset = frozenset()
+        self.F0 = self.FU = self.tol = 0.0
+        self.mags, self.nmags = prep.residuals.magnitudes(), prep.residuals.normalized_magnitudes(self.eng.traj)
+        cap = (len(self.candidates) + 2 if config.max_rollouts is None else config.max_rollouts) + config.rollout_slack
+        self.budget = _Budget(cap, self.eng, frozenset(self.candidates))
+        self.notes: list[str] = []
+        self.effects: dict[int, float] = {}  # fallback: single-step ablation effects relative to X
+        self.context: list[frozenset] = []  # the patch each causal set's effects are measured against
+
+    # ----- reference outcomes ------------------------------------------------------------------
+    def baseline(self) -> Attribution:
+        """f({}) and f(all), the gap and its tolerance; notes where f(all) may not be the real outcome."""
+        eng, config, prep = self.eng, self.config, self.prep
+        eng.phase = "baseline"
+        self.all_items = eng.items(range(eng.T))
+        F0 = self.F0 = eng.f(frozenset())
+        FU = self.FU = eng.f(self.all_items)
+        real = config.outcome.real_value(eng.traj)
+        gap = FU - F0
+        tol = self.tol = max(config.abs_tol, config.rel_tol * abs(gap))
+        out = Attribution(env_id=prep.model.env_id, T=eng.T, outcome=config.outcome.kind, model_outcome=F0,
+                          hybrid_real_outcome=FU, real_outcome=real, gap=gap, tol=tol, no_gap=False, message="",
+                          reproduction_error=None if real is None else abs(FU - real),
+                          action_error=prep.action_error, candidates=len(self.candidates), magnitudes=self.mags,
+                          normalized_magnitudes=self.nmags)
+        if prep.action_error is not None and prep.action_error > 1e-4:
+            self.notes.append(f"the policy does not reproduce the recorded actions (max |a - a_real| = "
+                              f"{prep.action_error:.3g}): a stochastic policy or another checkpoint; f(all) may "
+                              "differ from the real outcome")
+        if real is not None and abs(FU - real) > max(tol, 1e-6 * max(1.0, abs(real))):
+            self.notes.append(f"f(all) = {FU:.6g} does not reproduce the real outcome {real:.6g} (non-additive "
+                              "errors, a stochastic policy, or state the model does not carry); attributing the gap "
+                              "to f(all)")
         return out
 
-    cap = (len(U) + 2 if config.max_rollouts is None else config.max_rollouts) + config.rollout_slack
-    out.rollout_budget = cap
-    budget = _Budget(cap, eng, frozenset(U))
-    U_set = frozenset(U)
-
-    def patch(steps: Any) -> frozenset:
+    # ----- queries -----------------------------------------------------------------------------
+    def patch(self, steps: Any) -> frozenset:
         """Items of a set of steps; any superset of the candidates is the full patch (cached)."""
-        s = frozenset(steps)
-        return all_items if s >= U_set else eng.items(s)
+        step_set = frozenset(steps)
+        return self.all_items if step_set >= self.candidate_set else self.eng.items(step_set)
 
-    def reproduces(steps: frozenset) -> bool:
-        items = patch(steps)
-        if items not in eng.memo and budget.slack() < 1:
+    def reproduces(self, steps: frozenset) -> bool:
+        items = self.patch(steps)
+        if items not in self.eng.memo and self.budget.slack() < 1:
             raise _OverBudget
-        return abs(eng.f(items) - FU) <= tol
+        return abs(self.eng.f(items) - self.FU) <= self.tol
 
-    def minimize(S: list[int]) -> list[int]:
+    def minimize(self, S: list[int]) -> list[int]:
         """1-minimality: drop steps whose removal still reproduces (QuickXplain guarantees it only
         for monotone outcomes; patched/unpatched boundaries can make it non-monotone). Its rollouts
         are the marginal effects; a pass the budget cannot afford keeps the last measured set."""
-        prev: list[int] | None = None
+        eng, prev = self.eng, None
         while len(S) > 1:
-            patches = [patch(set(S) - {t}) for t in S]
-            if not budget.affords(patches):
+            patches = [self.patch(set(S) - {t}) for t in S]
+            if not self.budget.affords(patches):
                 if prev is None:
                     raise _OverBudget
-                notes.append(f"{len(S) + 1} causal steps are not 1-minimal (rollout budget)")
+                self.notes.append(f"{len(S) + 1} causal steps are not 1-minimal (rollout budget)")
                 return prev
             vals = eng.f_many(patches)
-            spare = [(abs(v - FU), t) for t, v in zip(S, vals) if abs(v - FU) <= tol]
+            spare = [(abs(v - self.FU), t) for t, v in zip(S, vals) if abs(v - self.FU) <= self.tol]
             if not spare:
                 break
             prev, S = S, [t for t in S if t != min(spare)[1]]
-        eng.f(patch(S))  # f(S*), needed for the marginal effects: the rollout each pass leaves room for
+        eng.f(self.patch(S))  # f(S*), needed for the marginal effects: the rollout each pass leaves room for
         return S
 
-    eng.max_rollouts = None  # the budget below is tighter; the engine's hard cap would lose the fallback
-    effects: dict[int, float] = {}  # fallback: single-step ablation effects relative to X
-    context: list[frozenset] = []  # the patch each causal set's effects are measured against
-    eng.phase = "search"
-    try:
-        sets = [minimize(_quickxplain(reproduces, list(U), budget))]
-    except _OverBudget:
-        # more causes than a divide-and-conquer search pays off for (k ~ T / log T): finish with the
-        # reference, single-step ablation, over the steps still in question (X reproduces; the rest
-        # is known not to matter), reusing cached rollouts
-        X, spent = sorted(budget.X), eng.rollouts
+    # ----- causal sets -------------------------------------------------------------------------
+    def primary_set(self, out: Attribution) -> list[list[int]]:
+        """``[S*]`` by divide and conquer, or by single-step ablation when that would exceed the budget."""
+        self.eng.phase = "search"
+        try:
+            return [self.minimize(_quickxplain(self.reproduces, list(self.candidates), self.budget))]
+        except _OverBudget:
+            return [self.ablate_fallback(out)]
+
+    def ablate_fallback(self, out: Attribution) -> list[int]:
+        """More causes than a divide-and-conquer search pays off for (k ~ T / log T): finish with the
+        reference, single-step ablation, over the steps still in question (X reproduces; the rest
+        is known not to matter), reusing cached rollouts."""
+        eng = self.eng
+        X, spent = sorted(self.budget.X), eng.rollouts
         out.fell_back = True
         eng.phase = "ablation"
-        fX = eng.f(patch(X))
-        vals = eng.f_many([patch(set(X) - {t}) for t in X])
-        effects = {t: fX - v for t, v in zip(X, vals)}
-        sets = [[t for t, v in zip(X, vals) if abs(FU - v) > tol]]
-        context = [patch(X)]
-        notes.append(f"divide and conquer could not finish within the rollout budget ({cap}) and switched to "
-                     f"single-step ablation over the {len(X)} of {len(U)} steps still in question after "
-                     f"{spent} rollouts: the errors are too many or interact too much")
-        if not sets[0]:
-            out.dense, out.verified = True, False
-            out.message = (f"gap {gap:+.4g} ({config.outcome.kind}: model {F0:.4g}, real {FU:.4g}); no single step "
-                           "matters on its own: the gap is dense; nothing is blamed. " + "; ".join(notes))
-            _finish(out, eng, t_start, eng.rollouts)
-            out.traces = {"model": eng.result(frozenset()).trace.tolist(),
-                          "real (f(all))": eng.result(all_items).trace.tolist()}
-            return out
-    remaining = [t for t in U if t not in set(sets[0])]
-    eng.phase = "alternatives"
-    budget.X = frozenset()  # abandoning an alternative costs nothing: reserve only its check
-    try:
-        while (config.find_alternatives and not out.fell_back and remaining and len(sets) <= config.max_alternatives
-               and reproduces(frozenset(remaining))):
-            S = minimize(_quickxplain(reproduces, remaining))
-            sets.append(S)
-            remaining = [t for t in remaining if t not in set(S)]
-    except _OverBudget:
-        notes.append("the search for alternative causal sets stopped at the rollout budget")
-    context += [patch(S) for S in sets[len(context):]]
-    eng.phase = "marginal"
-    primary = frozenset(sets[0])
-    f_star = eng.f(patch(primary))
-    out.causal_outcome, out.verified = f_star, abs(f_star - FU) <= tol
-    causal: list[StepAttribution] = []
-    for i, S in enumerate(sets):
-        fS = eng.f(context[i])
-        without = [fS - effects[t] for t in S] if out.fell_back else eng.f_many([patch(set(S) - {t}) for t in S])
-        for t, fw in zip(S, without):
-            causal.append(StepAttribution(
-                step=int(t), effect=float(fS - fw), error_type="", channel_effects={},
-                size={c: float(mags[t, k]) for k, c in enumerate(CHANNELS)},
-                normalized_size={c: float(nmags[t, k]) for k, c in enumerate(CHANNELS)}, cause_set=i))
-    search_rollouts = eng.rollouts
-    eng.phase = "explain"
-    untyped = 0
-    for a in causal:
-        full = context[a.cause_set]
-        fS = eng.f(full)
-        active = [k for k in range(NC) if mags[a.step, k] > 0]
-        if config.explain_channels and len(active) > 1:
-            # remove one channel at a time, largest (normalized) error first; stop once one
-            # channel carries most of the step's effect (usually after one rollout)
-            for k in sorted(active, key=lambda k: -nmags[a.step, k]):
-                if full - {a.step * NC + k} not in eng.memo and eng.rollouts + 1 > cap:
-                    break
-                a.channel_effects[CHANNELS[k]] = float(fS - eng.f(full - {a.step * NC + k}))
-                if abs(a.channel_effects[CHANNELS[k]]) > 0.5 * abs(a.effect):
-                    break
-            if not a.channel_effects:  # out of budget (residual sizes are no guide: big errors can be harmless)
-                untyped += 1
-                a.error_type = "untyped"
-                continue
-        else:
-            a.channel_effects = {CHANNELS[k]: a.effect for k in active}
-        best = max(a.channel_effects.items(), key=lambda kv: abs(kv[1]), default=("state", 0.0))
-        a.error_type = best[0] if abs(best[1]) > 0.5 * abs(a.effect) or len(active) == 1 else "combined"
-    if untyped:
-        notes.append(f"{untyped} causal step(s) left untyped: the rollout budget was spent")
-    causal.sort(key=lambda a: (a.cause_set, -abs(a.effect)))
-    out.causal, out.causal_sets = causal, sets
-    out.dense = len(sets[0]) > config.dense_fraction * max(len(U), 1)
-    parts = [f"gap {gap:+.4g} ({config.outcome.kind}: model {F0:.4g}, real {FU:.4g}); "
-             f"{len(sets[0])} causal step(s) of {len(U)} reproduce it within {tol:.3g}"]
-    if len(sets) > 1:
-        parts.append(f"{len(sets) - 1} alternative causal set(s): each alone also produces the gap")
-    if not out.verified:
-        parts.append(f"warning: f(S*) = {f_star:.4g} does not reproduce f(all) within tol (interacting, "
-                     "non-monotone errors); treat the ranking with care")
-    if out.dense:
-        parts.append("the gap is dense: many small errors add up, no sparse set of steps explains it")
-    if eng.rollouts > len(U) + 2:
-        notes.append(f"{eng.rollouts} hybrid rollouts, {eng.rollouts - len(U) - 2} more than single-step ablation "
-                     f"would have cost (budget {cap})")
-    out.message = "; ".join(parts + notes)
-    _finish(out, eng, t_start, search_rollouts)
-    out.traces = {"model": eng.result(frozenset()).trace.tolist(), "real (f(all))": eng.result(all_items).trace.tolist(),
-                  "causal (f(S*))": eng.result(patch(primary)).trace.tolist()}
-    return out
+        fX = eng.f(self.patch(X))
+        vals = eng.f_many([self.patch(set(X) - {t}) for t in X])
+        self.effects = {t: fX - v for t, v in zip(X, vals)}
+        self.context = [self.patch(X)]
+        self.notes.append(f"divide and conquer could not finish within the rollout budget ({self.budget.cap}) and "
+                          f"switched to single-step ablation over the {len(X)} of {len(self.candidates)} steps still "
+                          f"in question after {spent} rollouts: the errors are too many or interact too much")
+        return [t for t, v in zip(X, vals) if abs(self.FU - v) > self.tol]
+
+    def add_alternatives(self, sets: list[list[int]], fell_back: bool) -> None:
+        """Append redundant causal sets: while the outcome survives removing every set found so far."""
+        remaining = [t for t in self.candidates if t not in set(sets[0])]
+        self.eng.phase = "alternatives"
+        self.budget.X = frozenset()  # abandoning an alternative costs nothing: reserve only its check
+        config = self.config
+        try:
+            while (config.find_alternatives and not fell_back and remaining and len(sets) <= config.max_alternatives
+                   and self.reproduces(frozenset(remaining))):
+                S = self.minimize(_quickxplain(self.reproduces, remaining))
+                sets.append(S)
+                remaining = [t for t in remaining if t not in set(S)]
+        except _OverBudget:
+            self.notes.append("the search for alternative causal sets stopped at the rollout budget")
+
+    # ----- ranking and typing ------------------------------------------------------------------
+    def marginal_effects(self, out: Attribution, sets: list[list[int]]) -> list[StepAttribution]:
+        """f(S*) (is the outcome reproduced?) and each causal step's marginal effect within its set."""
+        eng = self.eng
+        self.context += [self.patch(S) for S in sets[len(self.context):]]
+        eng.phase = "marginal"
+        f_star = eng.f(self.patch(frozenset(sets[0])))
+        out.causal_outcome, out.verified = f_star, abs(f_star - self.FU) <= self.tol
+        causal: list[StepAttribution] = []
+        for set_index, S in enumerate(sets):
+            fS = eng.f(self.context[set_index])
+            without = ([fS - self.effects[t] for t in S] if out.fell_back else
+                       eng.f_many([self.patch(set(S) - {t}) for t in S]))
+            for t, fw in zip(S, without):
+                causal.append(StepAttribution(
+                    step=int(t), effect=float(fS - fw), error_type="", channel_effects={},
+                    size={name: float(self.mags[t, k]) for k, name in enumerate(CHANNELS)},
+                    normalized_size={name: float(self.nmags[t, k]) for k, name in enumerate(CHANNELS)},
+                    cause_set=set_index))
+        return causal
+
+    def type_errors(self, causal: list[StepAttribution]) -> None:
+        """Type each causal step by the residual channel that carries its effect (budget permitting)."""
+        eng, mags, nmags, cap = self.eng, self.mags, self.nmags, self.budget.cap
+        eng.phase = "explain"
+        untyped = 0
+        for cause in causal:
+            full = self.context[cause.cause_set]
+            fS = eng.f(full)
+            active = [k for k in range(NC) if mags[cause.step, k] > 0]
+            if self.config.explain_channels and len(active) > 1:
+                # remove one channel at a time, largest (normalized) error first; stop once one
+                # channel carries most of the step's effect (usually after one rollout)
+                for k in sorted(active, key=lambda k: -nmags[cause.step, k]):
+                    if full - {cause.step * NC + k} not in eng.memo and eng.rollouts + 1 > cap:
+                        break
+                    cause.channel_effects[CHANNELS[k]] = float(fS - eng.f(full - {cause.step * NC + k}))
+                    if abs(cause.channel_effects[CHANNELS[k]]) > 0.5 * abs(cause.effect):
+                        break
+                if not cause.channel_effects:  # out of budget (residual sizes are no guide: big errors can be harmless)
+                    untyped += 1
+                    cause.error_type = "untyped"
+                    continue
+            else:
+                cause.channel_effects = {CHANNELS[k]: cause.effect for k in active}
+            best = max(cause.channel_effects.items(), key=lambda kv: abs(kv[1]), default=("state", 0.0))
+            cause.error_type = best[0] if abs(best[1]) > 0.5 * abs(cause.effect) or len(active) == 1 else "combined"
+        if untyped:
+            self.notes.append(f"{untyped} causal step(s) left untyped: the rollout budget was spent")
+
+    # ----- messages and traces -----------------------------------------------------------------
+    def no_gap_message(self, min_gap: float) -> str:
+        F0, FU = self.F0, self.FU
+        message = (f"no gap: the world model's outcome f({{}}) = {F0:.6g} and the real outcome f(all) = {FU:.6g} "
+                   f"differ by {abs(FU - F0):.3g} <= {min_gap:.3g} (min_gap)" if self.candidates else
+                   "no gap: every residual is exactly zero (the model reproduces the real trajectory)")
+        return message + "; nothing to attribute." + ("" if not self.notes else " Note: " + "; ".join(self.notes))
+
+    def dense_message(self) -> str:
+        return (f"gap {self.FU - self.F0:+.4g} ({self.config.outcome.kind}: model {self.F0:.4g}, real "
+                f"{self.FU:.4g}); no single step matters on its own: the gap is dense; nothing is blamed. "
+                + "; ".join(self.notes))
+
+    def result_message(self, out: Attribution) -> str:
+        sets, n_candidates, eng = out.causal_sets, len(self.candidates), self.eng
+        parts = [f"gap {out.gap:+.4g} ({self.config.outcome.kind}: model {self.F0:.4g}, real {self.FU:.4g}); "
+                 f"{len(sets[0])} causal step(s) of {n_candidates} reproduce it within {self.tol:.3g}"]
+        if len(sets) > 1:
+            parts.append(f"{len(sets) - 1} alternative causal set(s): each alone also produces the gap")
+        if not out.verified:
+            parts.append(f"warning: f(S*) = {out.causal_outcome:.4g} does not reproduce f(all) within tol "
+                         "(interacting, non-monotone errors); treat the ranking with care")
+        if out.dense:
+            parts.append("the gap is dense: many small errors add up, no sparse set of steps explains it")
+        if eng.rollouts > n_candidates + 2:
+            self.notes.append(f"{eng.rollouts} hybrid rollouts, {eng.rollouts - n_candidates - 2} more than "
+                              f"single-step ablation would have cost (budget {self.budget.cap})")
+        return "; ".join(parts + self.notes)
+
+    def traces(self, primary: frozenset | None = None) -> dict[str, list[float]]:
+        """Per-step outcome of the model, of f(all) and (with ``primary``) of f(S*), all cached rollouts."""
+        eng = self.eng
+        traces = {"model": eng.result(frozenset()).trace.tolist(),
+                  "real (f(all))": eng.result(self.all_items).trace.tolist()}
+        if primary is not None:
+            traces["causal (f(S*))"] = eng.result(self.patch(primary)).trace.tolist()
+        return traces
 
 
 def _finish(out: Attribution, eng: HybridRollouts, t_start: float, search_rollouts: int) -> None:
@@ -448,22 +519,17 @@ class Ablation:
 
 def exhaustive_ablation(prep: Prepared, config: DebugConfig) -> Ablation:
     """Reference method: remove each step's residual from the full patch, one rollout per step."""
-    eng, U = prep.engine, prep.candidates
+    eng, candidates = prep.engine, prep.candidates
     r0, t0 = eng.rollouts, time.perf_counter()
     eng.phase = "exhaustive"
     F0 = eng.f(frozenset())
     all_items = eng.items(range(eng.T))
     FU = eng.f(all_items)
     tol = max(config.abs_tol, config.rel_tol * abs(FU - F0))
-    vals = eng.f_many([all_items - eng.items([t]) for t in U])
+    vals = eng.f_many([all_items - eng.items([t]) for t in candidates])
     effects = np.zeros(eng.T)
-    effects[U] = FU - np.asarray(vals)
+    effects[candidates] = FU - np.asarray(vals)
     min_gap = max(config.min_gap, config.min_gap_rel * max(abs(F0), abs(FU)))
-    causal = [int(t) for t in U if abs(effects[t]) > tol] if abs(FU - F0) > min_gap else []
+    causal = [int(t) for t in candidates if abs(effects[t]) > tol] if abs(FU - F0) > min_gap else []
     return Ablation(effects, causal, eng.rollouts - r0, time.perf_counter() - t0, tol)
 
-
-def debug_command(argv: list[str]) -> None:
-    """``groundflow debug`` (tyro CLI and report writing live in :mod:`deploy.debugging_report`)."""
-    from deploy.debugging_report import debug_command as run
-    run(argv)

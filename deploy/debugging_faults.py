@@ -22,9 +22,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from deploy.debugging_rollouts import PolicyRunner
 from envs.base import GroundflowEnv
 from envs.errors import InvalidOptionError
-from envs.shifted import ShiftedEnv, evaluate_success, observe
+from envs.shifted import ShiftedEnv
 from dataset import Episode, EpisodeBuffer
 
 FAULT_KINDS = ("observation", "reward", "teleport", "mass_jump", "friction_jump")
@@ -57,9 +58,9 @@ class Fault:
         return tuple(range(self.step, self.step + (self.duration if self.kind.endswith("_jump") else 1)))
 
     def vector(self, n: int) -> np.ndarray:
-        d = np.zeros(n)
-        d[list(self.dims)] = self.delta
-        return d
+        out = np.zeros(n)
+        out[list(self.dims)] = self.delta
+        return out
 
 
 class FaultyEnv(GroundflowEnv):
@@ -67,9 +68,10 @@ class FaultyEnv(GroundflowEnv):
 
     def __init__(self, base: GroundflowEnv, faults: Sequence[Fault] = ()):
         self.base = base
-        self.faults = [f.validate() for f in faults]
-        if any(f.kind.endswith("_jump") for f in self.faults) and not isinstance(base, ShiftedEnv):
-            raise InvalidOptionError("mass_jump/friction_jump faults need a ShiftedEnv base (envs.shifted.make_shifted)")
+        self.faults = [fault.validate() for fault in faults]
+        if any(fault.kind.endswith("_jump") for fault in self.faults) and not isinstance(base, ShiftedEnv):
+            raise InvalidOptionError("mass_jump/friction_jump faults need a ShiftedEnv base "
+                                     "(envs.shifted.make_shifted)")
         super().__init__(base.state_dim, base.action_low, base.action_high, cameras=base.cameras,
                          image_size=base.image_size, max_episode_steps=base.max_episode_steps,
                          instruction=base.instruction)
@@ -82,11 +84,11 @@ class FaultyEnv(GroundflowEnv):
         return getattr(self.base, name)
 
     def _at(self, t: int, *kinds: str) -> list[Fault]:
-        return [f for f in self.faults if f.kind in kinds and f.step == t]
+        return [fault for fault in self.faults if fault.kind in kinds and fault.step == t]
 
     def _corrupt(self, state: np.ndarray, t: int) -> np.ndarray:
-        for f in self._at(t, "observation"):
-            state = (state + f.vector(state.shape[0])).astype(np.float32)
+        for fault in self._at(t, "observation"):
+            state = (state + fault.vector(state.shape[0])).astype(np.float32)
         return state
 
     def _reset(self, seed, options):
@@ -97,22 +99,23 @@ class FaultyEnv(GroundflowEnv):
 
     def _step(self, action):
         t = self.t
-        for f in self._at(t, "mass_jump", "friction_jump"):
-            self.base.set_shift(**{f.kind.replace("_jump", "_scale"): getattr(self.base.shift, f.kind.replace("_jump", "_scale")) * f.scale})
+        for fault in self._at(t, "mass_jump", "friction_jump"):
+            scale_name = fault.kind.replace("_jump", "_scale")
+            self.base.set_shift(**{scale_name: getattr(self.base.shift, scale_name) * fault.scale})
         obs, reward, term, trunc, info = self.base.step(action)
-        if any(f.kind.endswith("_jump") and f.step + f.duration - 1 == t for f in self.faults):
+        if any(fault.kind.endswith("_jump") and fault.step + fault.duration - 1 == t for fault in self.faults):
             self.base.restore_shift()
         teleports = self._at(t, "teleport")
         if teleports:
-            x = np.asarray(self.base.get_sim_state(), np.float64)
-            for f in teleports:
-                x = x + f.vector(x.shape[0])
-            self.base.set_sim_state(x)
-            obs = observe(self.base)
-            ok = evaluate_success(self.base)
+            sim_state = np.asarray(self.base.get_sim_state(), np.float64)
+            for fault in teleports:
+                sim_state = sim_state + fault.vector(sim_state.shape[0])
+            self.base.set_sim_state(sim_state)
+            obs = self.base.observe()
+            ok = self.base.evaluate_success()
             info = {**info, "success": info["success"] if ok is None else ok}
-        for f in self._at(t, "reward"):
-            reward += float(np.sum(f.delta))
+        for fault in self._at(t, "reward"):
+            reward += float(np.sum(fault.delta))
         self.t += 1
         return self._corrupt(obs["state"], t + 1), obs.get("images", {}), reward, term, trunc, info
 
@@ -123,7 +126,13 @@ class FaultyEnv(GroundflowEnv):
         self.base.set_sim_state(state)
 
     def observe(self) -> dict:
-        return observe(self.base)
+        return self.base.observe()
+
+    def evaluate_success(self) -> bool | None:
+        return self.base.evaluate_success()
+
+    def make_physics(self, bodies: tuple[str, ...] | None) -> Any:
+        return self.base.make_physics(bodies)
 
     def close(self) -> None:
         self.base.close()
@@ -133,7 +142,6 @@ def record_episode(env: GroundflowEnv, policy: Any, seed: int, steps: int | None
                    options: dict | None = None) -> Episode:
     """Run ``policy`` for exactly ``steps`` steps (no early stop) and return the trajectory,
     with the simulator state before every action and after the last one."""
-    from deploy.debugging_rollouts import PolicyRunner
     runner = PolicyRunner(policy)
     obs, info = env.reset(seed=seed, options=options)
     runner.reset(env, obs)
@@ -215,7 +223,7 @@ class DapgMeanPolicy:
     stateless = True
 
     def __init__(self, task: str = "door"):
-        from envs.adroit import DapgExpert
+        from envs.adroit import DapgExpert  # imported here: the Adroit backend loads MuJoCo
         self.p = DapgExpert.load(task).p
 
     def reset(self) -> None:

@@ -24,23 +24,33 @@ import numpy as np
 import tyro
 from tqdm import tqdm
 
+import envs
 from deploy.debugging import Ablation, Attribution, DebugConfig, attribute, exhaustive_ablation, prepare
-from deploy.debugging_rollouts import CHANNELS, DebuggingError, Outcome
+from deploy.debugging_faults import DapgMeanPolicy, PushCubeController
+from deploy.debugging_rollouts import CHANNELS, DebuggingError, Outcome, TrajectoryError
+from dataset import Dataset, DatasetError
 
 PLOTS = {"search": "outcome_along_search.png", "errors": "step_errors.png", "traces": "outcome_traces.png"}
 
 
 # ----- plots -----------------------------------------------------------------------------------
 
-def _plot_search(res: Attribution, path: Path) -> None:
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the file-only Agg backend."""
+    # imported here: matplotlib is slow to import and only needed when a report has plots
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def _plot_search(res: Attribution, path: Path) -> None:
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.2))
-    phases = sorted({h["phase"] for h in res.history}, key=[h["phase"] for h in res.history].index)
-    for ph in phases:
-        pts = [(h["index"], h["value"]) for h in res.history if h["phase"] == ph]
-        ax.plot(*zip(*pts), "o", ms=4, label=ph)
+    phases = sorted({query["phase"] for query in res.history}, key=[query["phase"] for query in res.history].index)
+    for phase in phases:
+        pts = [(query["index"], query["value"]) for query in res.history if query["phase"] == phase]
+        ax.plot(*zip(*pts), "o", ms=4, label=phase)
     ax.axhline(res.model_outcome, color="tab:gray", ls="--", lw=1, label="model f({})")
     ax.axhline(res.hybrid_real_outcome, color="k", ls="-", lw=1, label="real f(all)")
     ax.axhspan(res.hybrid_real_outcome - res.tol, res.hybrid_real_outcome + res.tol, color="k", alpha=0.08)
@@ -54,30 +64,28 @@ def _plot_search(res: Attribution, path: Path) -> None:
 
 
 def _plot_errors(res: Attribution, path: Path, ablation: Ablation | None) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     nm = res.normalized_magnitudes
     rows = 2 + (ablation is not None)
     fig, axes = plt.subplots(rows, 1, figsize=(9, 2.3 * rows), sharex=True)
-    t = np.arange(res.T)
+    steps = np.arange(res.T)
     for k, c in enumerate(CHANNELS):
         if np.any(nm[:, k] > 0):
-            axes[0].plot(t, nm[:, k], lw=1, label=f"{c} residual")
-    for a in res.causal:
-        axes[0].axvline(a.step, color="tab:red", alpha=0.35, lw=2)
+            axes[0].plot(steps, nm[:, k], lw=1, label=f"{c} residual")
+    for cause in res.causal:
+        axes[0].axvline(cause.step, color="tab:red", alpha=0.35, lw=2)
     axes[0].set_yscale("symlog", linthresh=1e-2)
     axes[0].set_ylim(bottom=0)
     axes[0].set_ylabel("error size\n(normalized)")
     axes[0].set_title("Per-step model errors (red: steps found causal); large errors elsewhere did not matter")
     axes[0].legend(fontsize=7, loc="upper right")
     eff = np.zeros(res.T)
-    for a in res.causal:
-        eff[a.step] = a.effect
-    axes[1].bar(t, eff, color="tab:red", width=max(1.0, res.T / 300))
+    for cause in res.causal:
+        eff[cause.step] = cause.effect
+    axes[1].bar(steps, eff, color="tab:red", width=max(1.0, res.T / 300))
     axes[1].set_ylabel("marginal effect\nf(S*) - f(S*\\t)")
     if ablation is not None:
-        axes[2].bar(t, ablation.effects, color="tab:blue", width=max(1.0, res.T / 300))
+        axes[2].bar(steps, ablation.effects, color="tab:blue", width=max(1.0, res.T / 300))
         axes[2].axhline(ablation.tol, color="k", lw=0.5)
         axes[2].axhline(-ablation.tol, color="k", lw=0.5)
         axes[2].set_ylabel("exhaustive\nf(all) - f(all\\t)")
@@ -88,14 +96,12 @@ def _plot_errors(res: Attribution, path: Path, ablation: Ablation | None) -> Non
 
 
 def _plot_traces(res: Attribution, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 3))
     for name, tr in res.traces.items():
         ax.plot(tr, lw=1.3, label=name)
-    for a in res.causal:
-        ax.axvline(a.step, color="tab:red", alpha=0.3)
+    for cause in res.causal:
+        ax.axvline(cause.step, color="tab:red", alpha=0.3)
     ax.set_xlabel("time step")
     ax.set_ylabel({"return": "cumulative return", "success": "success so far"}.get(res.outcome, res.outcome))
     ax.set_title("Hybrid rollouts: model promise, real outcome, causal steps only")
@@ -107,55 +113,58 @@ def _plot_traces(res: Attribution, path: Path) -> None:
 
 # ----- report ----------------------------------------------------------------------------------
 
-def _fmt(v: Any, digits: int = 4) -> str:
-    if v is None:
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
         return "-"
-    if isinstance(v, float):
-        return f"{v:.{digits}g}"
-    return str(v)
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
 
 
 def _markdown(res: Attribution, ablation: Ablation | None, meta: dict[str, Any], images: bool = True) -> str:
-    L = [f"# Counterfactual debugging report: {res.env_id}", ""]
-    L += [f"**{res.message}**", ""]
-    L += ["| quantity | value |", "|---|---|"]
+    lines = [f"# Counterfactual debugging report: {res.env_id}", ""]
+    lines += [f"**{res.message}**", ""]
+    lines += ["| quantity | value |", "|---|---|"]
     rows = [("outcome", res.outcome), ("steps T", res.T), ("steps with a nonzero residual", res.candidates),
             ("model promise f({})", res.model_outcome), ("hybrid f(all)", res.hybrid_real_outcome),
             ("recorded real outcome", res.real_outcome), ("abs(f(all) - real)", res.reproduction_error),
             ("policy action reproduction error", res.action_error), ("gap", res.gap), ("tolerance", res.tol),
-            ("f(S*)", res.causal_outcome), ("hybrid rollouts (search / total)", f"{res.search_rollouts} / {res.rollouts}"),
+            ("f(S*)", res.causal_outcome),
+            ("hybrid rollouts (search / total)", f"{res.search_rollouts} / {res.rollouts}"),
             ("simulated steps", res.steps_simulated), ("seconds", round(res.seconds, 2))]
     if ablation is not None:
-        rows += [("exhaustive ablation rollouts", ablation.rollouts), ("exhaustive seconds", round(ablation.seconds, 2)),
-                 ("exhaustive causal steps", ablation.causal)]
-    rows += [(k, v) for k, v in meta.items()]
-    L += [f"| {k} | {_fmt(v)} |" for k, v in rows]
-    L += [""]
+        rows += [("exhaustive ablation rollouts", ablation.rollouts),
+                 ("exhaustive seconds", round(ablation.seconds, 2)), ("exhaustive causal steps", ablation.causal)]
+    rows += [(name, value) for name, value in meta.items()]
+    lines += [f"| {name} | {_fmt(value)} |" for name, value in rows]
+    lines += [""]
     if res.no_gap:
-        return "\n".join(L)
-    L += ["## Causal steps (ranked by marginal effect)", "",
-          "| rank | step | set | effect f(S*) - f(S*\\t) | error type | state err | reward err | obs err | channel effects |",
-          "|---|---|---|---|---|---|---|---|---|"]
-    for i, a in enumerate(res.causal):
-        ch = ", ".join(f"{k}: {v:+.3g}" for k, v in a.channel_effects.items())
-        L.append(f"| {i + 1} | {a.step} | {'S*' if a.cause_set == 0 else f'alt {a.cause_set}'} | {a.effect:+.4g} | "
-                 f"{a.error_type} | {a.normalized_size['state']:.3g} | {a.normalized_size['reward']:.3g} | "
-                 f"{a.normalized_size['observation']:.3g} | {ch} |")
-    L += ["", "Error sizes are normalized: the largest |residual| over dims, each dim divided by the trajectory's own "
-          "scale (per-step change for the state, spread for observations and rewards).", ""]
+        return "\n".join(lines)
+    lines += ["## Causal steps (ranked by marginal effect)", "",
+              "| rank | step | set | effect f(S*) - f(S*\\t) | error type | state err | reward err | obs err | "
+              "channel effects |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for rank, cause in enumerate(res.causal):
+        ch = ", ".join(f"{channel}: {effect:+.3g}" for channel, effect in cause.channel_effects.items())
+        cause_set = "S*" if cause.cause_set == 0 else f"alt {cause.cause_set}"
+        size = cause.normalized_size
+        lines.append(f"| {rank + 1} | {cause.step} | {cause_set} | {cause.effect:+.4g} | {cause.error_type} | "
+                     f"{size['state']:.3g} | {size['reward']:.3g} | {size['observation']:.3g} | {ch} |")
+    lines += ["", "Error sizes are normalized: the largest |residual| over dims, each dim divided by the trajectory's "
+              "own scale (per-step change for the state, spread for observations and rewards).", ""]
     nm = res.normalized_magnitudes
     causal = set(res.steps)
     score = nm.max(axis=1)
     top = [int(t) for t in np.argsort(-score) if int(t) not in causal][:5]
-    L += ["## Largest errors that did not matter", "",
-          "| step | largest channel | size |", "|---|---|---|"]
+    lines += ["## Largest errors that did not matter", "",
+              "| step | largest channel | size |", "|---|---|---|"]
     for t in top:
-        k = int(np.argmax(nm[t]))
-        L.append(f"| {t} | {CHANNELS[k]} | {nm[t, k]:.3g} |")
+        channel = int(np.argmax(nm[t]))
+        lines.append(f"| {t} | {CHANNELS[channel]} | {nm[t, channel]:.3g} |")
     if images:
-        L += ["", "## Plots", "", f"![outcome along the search]({PLOTS['search']})", "",
-              f"![per-step errors]({PLOTS['errors']})", "", f"![outcome traces]({PLOTS['traces']})", ""]
-    return "\n".join(L)
+        lines += ["", "## Plots", "", f"![outcome along the search]({PLOTS['search']})", "",
+                  f"![per-step errors]({PLOTS['errors']})", "", f"![outcome traces]({PLOTS['traces']})", ""]
+    return "\n".join(lines)
 
 
 def _html(md_text: str, image_paths: dict[str, Path]) -> str:
@@ -166,24 +175,24 @@ def _html(md_text: str, image_paths: dict[str, Path]) -> str:
                      "</head><body>"], False
     for line in md_text.splitlines():
         if line.startswith("|"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if all(set(c) <= {"-"} for c in cells):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            if all(set(cell) <= {"-"} for cell in cells):
                 continue
             if not in_table:
                 out.append("<table>")
                 in_table = True
-                out.append("<tr>" + "".join(f"<th>{c}</th>" for c in cells) + "</tr>")
+                out.append("<tr>" + "".join(f"<th>{cell}</th>" for cell in cells) + "</tr>")
             else:
-                out.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+                out.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
             continue
         if in_table:
             out.append("</table>")
             in_table = False
         if line.startswith("!["):
             name = line[line.index("(") + 1:line.rindex(")")]
-            p = image_paths.get(name)
-            if p is not None and p.exists():
-                b64 = base64.b64encode(p.read_bytes()).decode()
+            image_path = image_paths.get(name)
+            if image_path is not None and image_path.exists():
+                b64 = base64.b64encode(image_path.read_bytes()).decode()
                 out.append(f"<p><img src='data:image/png;base64,{b64}'></p>")
         elif line.startswith("## "):
             out.append(f"<h2>{line[3:]}</h2>")
@@ -219,7 +228,7 @@ def write_report(res: Attribution, out_dir: str | Path, ablation: Ablation | Non
         _plot_search(res, tmp / PLOTS["search"])
         _plot_errors(res, tmp / PLOTS["errors"], ablation)
         _plot_traces(res, tmp / PLOTS["traces"])
-        images = {v: tmp / v for v in PLOTS.values()}
+        images = {name: tmp / name for name in PLOTS.values()}
     md = _markdown(res, ablation, meta or {}, images=bool(images))
     (tmp / "report.md").write_text(md)
     (tmp / "report.html").write_text(_html(md, images))
@@ -274,7 +283,6 @@ class DebugArgs:
 
 def load_policy(spec: str, model_env: Any) -> Any:
     """Policy from a ``--ckpt`` spec (see :class:`DebugArgs`)."""
-    from deploy.debugging_faults import DapgMeanPolicy, PushCubeController
     if spec == "expert":
         expert = model_env.make_expert(noise=0.0, seed=0)
         return expert
@@ -284,26 +292,26 @@ def load_policy(spec: str, model_env: Any) -> Any:
             return PushCubeController()
         if name.startswith("dapg-"):
             return DapgMeanPolicy(name[5:])
-        raise DebuggingError(f"unknown controller {name!r}; valid: pushcube, dapg-door, dapg-hammer, dapg-pen, dapg-relocate")
-    p = Path(spec)
-    if not p.exists():
+        raise DebuggingError(f"unknown controller {name!r}; valid: pushcube, dapg-door, dapg-hammer, dapg-pen, "
+                             "dapg-relocate")
+    path = Path(spec)
+    if not path.exists():
         raise DebuggingError(f"policy checkpoint {spec!r} does not exist (or use 'expert' / 'controller:NAME')")
     try:
-        import policies
+        import policies  # imported here: it pulls in torch, needed only for a checkpoint (and may be missing)
     except ImportError as e:
         raise DebuggingError(f"cannot load policy checkpoint {spec}: the policies package is unavailable ({e})") from e
-    return policies.load(p)
+    return policies.load(path)
 
 
 def load_model(spec: str, dataset_meta: dict[str, Any], env_options: dict[str, Any]) -> Any:
     """A world model from ``--model``: a learned checkpoint dir (float64) or an env id."""
-    from envs.world_model import CONFIG_FILE, load_world_model_env
-    p = Path(spec)
-    if p.is_dir():
-        if not (p / CONFIG_FILE).exists():
+    from envs.world_model import CONFIG_FILE, load_world_model_env  # imported here: it pulls in torch
+    path = Path(spec)
+    if path.is_dir():
+        if not (path / CONFIG_FILE).exists():
             raise DebuggingError(f"--model {spec} is a directory but not a world-model checkpoint (no {CONFIG_FILE})")
-        return load_world_model_env(p, precision="float64")
-    import envs
+        return load_world_model_env(path, precision="float64")
     opts: dict[str, Any] = dict(dataset_meta.get("env_options") or {})
     if dataset_meta.get("control_mode"):
         opts.setdefault("control_mode", dataset_meta["control_mode"])
@@ -311,18 +319,16 @@ def load_model(spec: str, dataset_meta: dict[str, Any], env_options: dict[str, A
     return envs.make(spec, **opts)
 
 
-def _parse_scalar(v: str) -> Any:
+def _parse_scalar(text: str) -> Any:
     for cast in (int, float):
         try:
-            return cast(v)
+            return cast(text)
         except ValueError:
             pass
-    return {"true": True, "false": False}.get(v.lower(), v)
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def run_debug(args: DebugArgs) -> dict[str, Any]:
-    from deploy.debugging_rollouts import TrajectoryError
-    from dataset import Dataset, DatasetError
     try:
         with Dataset(args.real) as ds:
             if not 0 <= args.episode < len(ds):
@@ -362,7 +368,7 @@ def run_debug(args: DebugArgs) -> dict[str, Any]:
                                                        "real env": real_env_id, "model": args.model,
                                                        "policy": args.ckpt}, overwrite=args.overwrite)
     summary = {"message": res.message, "causal_steps": res.steps, "no_gap": res.no_gap,
-               "ranked": [(a.step, round(a.effect, 6), a.error_type) for a in res.causal],
+               "ranked": [(cause.step, round(cause.effect, 6), cause.error_type) for cause in res.causal],
                "rollouts": res.rollouts, "seconds": round(time.time() - t0, 2), "out": str(out)}
     if ablation is not None:
         summary.update(exhaustive_causal=ablation.causal, exhaustive_rollouts=ablation.rollouts)

@@ -36,7 +36,6 @@ import numpy as np
 
 from envs.base import GroundflowEnv
 from envs.errors import GroundflowError
-from envs.shifted import evaluate_success, observe
 from dataset import Episode
 
 CHANNELS = ("state", "reward", "observation")
@@ -89,16 +88,16 @@ class PolicyRunner:
         if fn is None:
             return
         try:
-            n = len(inspect.signature(fn).parameters)
+            n_params = len(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
-            n = 0
-        fn(env, obs) if n >= 2 else fn()
+            n_params = 0
+        fn(env, obs) if n_params >= 2 else fn()
 
     def act(self, obs: dict) -> np.ndarray:
-        a = self._act(obs)
-        if hasattr(a, "detach"):
-            a = a.detach().cpu().numpy()
-        return np.asarray(a, np.float32).reshape(-1)
+        action = self._act(obs)
+        if hasattr(action, "detach"):
+            action = action.detach().cpu().numpy()
+        return np.asarray(action, np.float32).reshape(-1)
 
     def act_batch(self, states: np.ndarray) -> np.ndarray:
         return np.asarray(self.policy.act_batch(states), np.float32)
@@ -129,14 +128,14 @@ class PolicyRunner:
 def _tensors_to_share(obj: Any) -> list[Any]:
     """Parameters and buffers of any torch modules reachable as attributes (not copied)."""
     try:
-        import torch
+        import torch  # imported here: heavy, and only policies with torch modules have tensors to share
     except ImportError:  # pragma: no cover
         return []
     out = []
-    for v in list(vars(obj).values()) if hasattr(obj, "__dict__") else []:
-        if isinstance(v, torch.nn.Module):
-            out.extend(v.parameters())
-            out.extend(v.buffers())
+    for attr in list(vars(obj).values()) if hasattr(obj, "__dict__") else []:
+        if isinstance(attr, torch.nn.Module):
+            out.extend(attr.parameters())
+            out.extend(attr.buffers())
     return out
 
 
@@ -173,15 +172,15 @@ class EnvModel:
         self.env.set_sim_state(x)
         obs, r, _, _, info = self.env.step(a)
         if not self.observation_state:
-            obs = observe(self.env)
+            obs = self.env.observe()
         return np.asarray(self.env.get_sim_state(), np.float64), float(r), bool(info["success"]), obs
 
     def observe(self, x: np.ndarray) -> dict:
         self.env.set_sim_state(x)
-        return observe(self.env)
+        return self.env.observe()
 
     def success_now(self) -> bool | None:
-        return evaluate_success(self.env)
+        return self.env.evaluate_success()
 
     def step_batch(self, X: np.ndarray, A: np.ndarray, success: bool = True
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -226,11 +225,12 @@ def real_trajectory(ep: Episode, model: EnvModel) -> RealTrajectory:
     if T == 0:
         raise TrajectoryError("the real trajectory is empty (0 steps): nothing to debug")
     for name in ("state", "action", "reward", "sim_state", "final_state", "final_sim_state"):
-        v = getattr(ep, name)
-        if v is None:
+        values = getattr(ep, name)
+        if values is None:
             continue
-        v = np.asarray(v, np.float64)
-        bad = _nonfinite_steps(v[None] if v.ndim == 1 and name.startswith("final") else v.reshape(v.shape[0], -1))
+        values = np.asarray(values, np.float64)
+        bad = _nonfinite_steps(values[None] if values.ndim == 1 and name.startswith("final")
+                               else values.reshape(values.shape[0], -1))
         if bad:
             raise TrajectoryError(f"the real trajectory has NaN/inf in {name!r} at step(s) {bad[:10]}")
     if ep.state.shape[1] != model.obs_dim:
@@ -436,20 +436,20 @@ class HybridRollouts:
 
     def f_many(self, patches: Sequence[frozenset]) -> list[float]:
         """Evaluate many patches; batched in one vectorized rollout where model and policy allow."""
-        patches = [frozenset(p) for p in patches]
-        todo = list(dict.fromkeys(p for p in patches if p not in self.memo))
+        patches = [frozenset(patch) for patch in patches]
+        todo = list(dict.fromkeys(patch for patch in patches if patch not in self.memo))
         if todo and self.vectorized and len(todo) > 1:
             if self.max_rollouts is not None and self.rollouts + len(todo) > self.max_rollouts:
                 raise RolloutBudgetExceeded(f"stopped after {self.rollouts} hybrid rollouts (max_rollouts)")
             t0 = time.perf_counter()
-            for p, r in zip(todo, self._run_batch(todo)):
-                self.memo[p] = r
-                self._fresh.add(p)
+            for patch, result in zip(todo, self._run_batch(todo)):
+                self.memo[patch] = result
+                self._fresh.add(patch)
             self.seconds += time.perf_counter() - t0
             self.rollouts += len(todo)
             if self.on_rollout:
                 self.on_rollout(self)
-        return [self.result(p).value for p in patches]
+        return [self.result(patch).value for patch in patches]
 
     # ----- single rollout with checkpoints ---------------------------------------------------
     def _prefix_hashes(self, items: frozenset) -> tuple[list[int], np.ndarray]:
@@ -501,11 +501,11 @@ class HybridRollouts:
             if t % self.stride == 0 and t > 0:
                 self._store(t, key, _Snap(x, obs, self.policy.snapshot(), ret, succ_any, trace))
             base = t * NC
-            o = dict(obs)
-            o["instruction"] = instr
+            policy_obs = dict(obs)
+            policy_obs["instruction"] = instr
             if base + OBSERVATION in items:
-                o["state"] = (np.asarray(obs["state"], np.float64) + res.observation[t]).astype(np.float32)
-            a = self.policy.act(o)
+                policy_obs["state"] = (np.asarray(obs["state"], np.float64) + res.observation[t]).astype(np.float32)
+            a = self.policy.act(policy_obs)
             x, r, succ, obs = model.step(x, a)
             if base + STATE in items:
                 x = x + res.state[t]
@@ -514,8 +514,8 @@ class HybridRollouts:
                     succ = bool(model.success_batch(x[None])[0]) if model.batched else succ
                 else:
                     obs = model.observe(x)
-                    s2 = model.success_now()
-                    succ = succ if s2 is None else s2
+                    success_now = model.success_now()
+                    succ = succ if success_now is None else success_now
             if base + REWARD in items:
                 r += res.reward[t]
             ret += r
@@ -535,8 +535,8 @@ class HybridRollouts:
         need_success = self.outcome.kind == "success"
         starts, xs, rets, succs, traces = np.zeros(B, int), [], np.zeros(B), np.zeros(B, bool), np.empty((B, T))
         keys = []
-        for b, p in enumerate(patches):
-            srt, h = self._prefix_hashes(p)
+        for b, patch in enumerate(patches):
+            srt, h = self._prefix_hashes(patch)
             t0, snap = self._find_checkpoint(srt, h)
             starts[b] = t0
             keys.append(int(h[bisect_left(srt, t0 * NC)]))
@@ -548,9 +548,9 @@ class HybridRollouts:
                 traces[b, :t0] = snap.trace[:t0]
         X = np.stack(xs)
         mask = np.zeros((NC, B, T), bool)
-        for b, p in enumerate(patches):
-            for i in p:
-                mask[i % NC, b, i // NC] = True
+        for b, patch in enumerate(patches):
+            for item in patch:
+                mask[item % NC, b, item // NC] = True
         store = store and B == 1
         key = keys[0]
         for t in range(int(starts.min()), T):

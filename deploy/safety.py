@@ -117,8 +117,8 @@ class SafetyLayer:
     # ----- state ----------------------------------------------------------------------------
     def reset(self) -> None:
         """Start from the robot's current targets, at rest (call at every episode start)."""
-        h = np.asarray(self.robot.hold_action(), np.float64).reshape(-1)
-        self._p1, self._p0 = h.copy(), h.copy()
+        hold = np.asarray(self.robot.hold_action(), np.float64).reshape(-1)
+        self._p1, self._p0 = hold.copy(), hold.copy()
         self._last_fresh = self._last_sent = time.monotonic()
         self.faulted = None
 
@@ -167,8 +167,8 @@ class SafetyLayer:
         return cmd, events + rate_events
 
     def _in_workspace(self, a: np.ndarray) -> bool:
-        p = np.asarray(self.fk(a.astype(np.float64)), np.float64).reshape(-1)[:3]
-        return bool(np.all(np.isfinite(p)) and np.all(p >= self.ws_low) and np.all(p <= self.ws_high))
+        ee_pos = np.asarray(self.fk(a.astype(np.float64)), np.float64).reshape(-1)[:3]
+        return bool(np.all(np.isfinite(ee_pos)) and np.all(ee_pos >= self.ws_low) and np.all(ee_pos <= self.ws_high))
 
     def _intervals(self) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
         """Per-dimension interval allowed for the next absolute target, and its parts."""
@@ -224,8 +224,8 @@ class SafetyLayer:
     def command(self, action: Any) -> np.ndarray:
         """Filter a fresh action and send the result; returns what was sent."""
         cmd, events = self.filter(action)
-        for e in events:
-            kind, _, detail = e.partition(":")
+        for event in events:
+            kind, _, detail = event.partition(":")
             self._event(kind, detail)
         self._last_fresh = time.monotonic()
         self.n_fresh += 1
@@ -243,6 +243,22 @@ class SafetyLayer:
     def watchdog_expired(self, now: float | None = None) -> bool:
         return ((time.monotonic() if now is None else now) - self._last_fresh) > self.config.watchdog_s
 
+    def report_driver_error(self, error: BaseException, during: str = "") -> None:
+        """The driver failed (``during``: the call outside this layer that failed, e.g.
+        ``get_observation``): count a ``driver_error``, mark the layer faulted (an earlier fault
+        is kept; later sends are dropped) and try one hold, so the robot is not left tracking
+        its last target while the caller ends the episode."""
+        fault = f"{type(error).__name__}: {error}"
+        self._event("driver_error", f"{during}: {fault}" if during else fault)
+        self.faulted = self.faulted or fault
+        self._try_hold_once()
+
+    def report_policy_failure(self, detail: str) -> None:
+        """Count a failed policy request as a ``watchdog`` intervention without sending anything:
+        the caller keeps executing the plan it has and holds only once that runs out, so the
+        count shows how often the robot ran on an old plan."""
+        self._event("watchdog", f"policy request failed: {detail}")
+
     def _send(self, cmd: np.ndarray) -> None:
         with self._send_lock:
             if self.faulted:
@@ -252,14 +268,19 @@ class SafetyLayer:
             except Exception as e:  # the driver failed: log, try to hold once, then report the fault
                 self._event("driver_error", f"{type(e).__name__}: {e}")
                 self.faulted = f"{type(e).__name__}: {e}"
-                try:
-                    self.robot.send_action(self._hold_target().astype(np.float32))
-                except Exception:
-                    pass
+                self._try_hold_once()
                 return
             self._p0, self._p1 = self._p1, np.asarray(cmd, np.float64).copy()
             self._last_sent = time.monotonic()
             self.n_commands += 1
+
+    def _try_hold_once(self) -> None:
+        """One hold straight to the driver after it failed, bypassing the fault check and the
+        command history (best effort: a broken driver may raise again, which is ignored)."""
+        try:
+            self.robot.send_action(self._hold_target().astype(np.float32))
+        except Exception:
+            pass
 
     # ----- watchdog thread (covers a stalled control loop) ----------------------------------
     def start_watchdog(self, deadline_s: float | None = None) -> None:
@@ -296,17 +317,18 @@ class SafetyLayer:
             self.stop_requested = True
             self._event("stop_signal", signal.Signals(signum).name)
 
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield self
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            for sig, old_handler in previous.items():
+                signal.signal(sig, old_handler)
 
 
-def _describe(x: Any) -> str:
+def _describe(action: Any) -> str:
     """Short description of a bad action for the log."""
-    if x is None:
+    if action is None:
         return "None"
-    shape = getattr(x, "shape", None)
-    return f"{type(x).__name__} of shape {shape}" if shape is not None else f"{type(x).__name__} {str(x)[:40]!r}"
+    shape = getattr(action, "shape", None)
+    kind = type(action).__name__
+    return f"{kind} of shape {shape}" if shape is not None else f"{kind} {str(action)[:40]!r}"

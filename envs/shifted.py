@@ -37,8 +37,7 @@ from envs.errors import InvalidOptionError
 from envs.physics import PHYSICS_FIELDS, PhysicsShift
 from envs.registry import make as make_env
 
-__all__ = ["PHYSICS_FIELDS", "PhysicsShift", "ShiftedEnv", "observe", "evaluate_success", "shift_env",
-           "make_shifted"]
+__all__ = ["PHYSICS_FIELDS", "PhysicsShift", "ShiftedEnv", "shift_env", "make_shifted"]
 
 
 class ShiftedEnv(GroundflowEnv):
@@ -143,18 +142,6 @@ class ShiftedEnv(GroundflowEnv):
 
     def close(self) -> None:
         self.base.close()
-
-
-def observe(env: Any) -> Obs:
-    """Observation of an env's *current* simulator state (e.g. right after ``set_sim_state``):
-    ``env.observe()``, kept as a function for callers that take any env or wrapper."""
-    return env.observe()
-
-
-def evaluate_success(env: Any) -> bool | None:
-    """Task success in the env's current simulator state (``env.evaluate_success()``); None where
-    the backend cannot tell."""
-    return env.evaluate_success()
 
 
 def shift_env(env: GroundflowEnv, seed: int | None = None, bodies: tuple[str, ...] | None = None,

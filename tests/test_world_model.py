@@ -10,7 +10,7 @@ import torch
 
 import envs
 from envs.errors import InvalidOptionError
-from envs.shifted import PhysicsShift, ShiftedEnv, evaluate_success, make_shifted, observe, shift_env
+from envs.shifted import PhysicsShift, ShiftedEnv, make_shifted, shift_env
 from envs.world_model import WorldModel, WorldModelError, load_world_model_env, make_world_model_env
 from dataset import DatasetError, DatasetWriter
 from train.world_model import train_world_model, world_model_command
@@ -77,7 +77,7 @@ def test_world_model_env_state_is_settable_and_deterministic(door_wm):
     batch = env.predict_batch(np.stack([x, x]), np.stack([a, a]))
     np.testing.assert_allclose(batch["next_state"][1], s1, rtol=1e-6, atol=1e-6)
     env.set_sim_state(x)
-    assert observe(env)["state"].shape == (39,) and evaluate_success(env) in (True, False)
+    assert env.observe()["state"].shape == (39,) and env.evaluate_success() in (True, False)
     member = load_world_model_env(out, member=1)
     member.reset(seed=3)
     assert not np.allclose(member.step(a)[0]["state"], s1)  # ensemble members disagree

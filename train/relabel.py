@@ -41,7 +41,6 @@ from tqdm import tqdm
 
 import envs
 from envs.errors import InvalidOptionError
-from envs.shifted import observe
 from dataset import Dataset, DatasetError, DatasetWriter, Episode, EpisodeBuffer
 
 
@@ -94,7 +93,7 @@ def restore(env: Any, ep: Episode, t: int, task_id: int) -> dict:
         env.set_sim_state(ep.sim_state[t - 1])
         env.step(ep.action[t - 1])
     env.set_sim_state(ep.sim_state[t])
-    return observe(env)
+    return env.observe()
 
 
 def continuation(env: Any, obs: dict, task_id: int, horizon: int, instruction: str, seed: int | None) -> Episode:
