@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from dataset import DatasetWriter, EpisodeBuffer
 from deploy.robot import Obs, RobotSpec
 
 
 class Recorder:
     def __init__(self, path: str | os.PathLike, spec: RobotSpec, env_id: str | None = None,
                  meta: dict[str, Any] | None = None, overwrite: bool = False):
-        from dataset import DatasetWriter
         self.path = Path(path)
         self.spec = spec
         self.writer = DatasetWriter(self.path, env_id=env_id or spec.meta.get("env_id") or f"robot/{spec.name}",
@@ -36,7 +36,6 @@ class Recorder:
         self.n_episodes = 0
 
     def start_episode(self, instruction: str, task_id: int = 0, seed: int | None = None) -> None:
-        from dataset import EpisodeBuffer
         self._buf = EpisodeBuffer(instruction or "", task_id=task_id, seed=seed)
 
     def add(self, obs: Obs, action: np.ndarray, reward: float = 0.0, success: bool = False,

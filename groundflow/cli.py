@@ -57,7 +57,7 @@ COMMANDS: dict[str, Command] = {
 
 def list_envs(argv: list[str]) -> None:
     """``groundflow envs``: every env id with its backend and description, then the suites."""
-    import envs  # imports the backends' registries, not their simulators
+    import envs  # here, not at the top: the other commands do not pay for gymnasium at start-up
     from envs.registry import spec
     for env_id in envs.list_envs():
         s = spec(env_id)

@@ -95,9 +95,9 @@ class AdroitConstraint:
 
     def check_env(self, env: Any) -> None:
         """Fail loudly if the env's actuators are not the ones these limits were derived for."""
-        m = env.unwrapped_mujoco.model
+        model = env.unwrapped_mujoco.model
         for lim in self.limits:
-            name = m.actuator(lim.dim).name
+            name = model.actuator(lim.dim).name
             if name != lim.actuator:
                 raise RuntimeError(f"adroit/{self.task}: action dim {lim.dim} drives {name!r}, the "
                                    f"constraint was derived for {lim.actuator!r} (gymnasium-robotics changed?)")
@@ -221,13 +221,13 @@ def sample_chunks(policy: Any, observations: Sequence[dict], guide: guidance.Gui
     """Chunks in action units (B, H, A) for a batch of observations, the sampler stats and the
     wall time (s). Same ``noise`` -> same chunks for the unguided policy (common random numbers)."""
     batch = _batch(policy, observations)
-    t = time.perf_counter()
+    t_start = time.perf_counter()
     if guide is not None and guide.needs_network_grad:
         x, st = policy.sample_chunks(batch, noise=noise, guide=guide, return_stats=True)
     else:
         with torch.no_grad():
             x, st = policy.sample_chunks(batch, noise=noise, guide=guide, return_stats=True)
-    dt = time.perf_counter() - t
+    dt = time.perf_counter() - t_start
     return policy.normalizer.unaction(x.detach()).numpy(), st, dt
 
 
@@ -239,12 +239,12 @@ def _servo_map(env: Any, dims: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     where qpos = (gain / -bias1) * ctrl; gain != -bias1 for some (door's arm: 500 vs -200, so
     the arm settles at 2.5x the commanded value), hence the map is read from the model, not assumed.
     Returns ``adr`` and ``(k, act_mean, act_rng)`` with ``a_eq(q) = (q / k - act_mean) / act_rng``."""
-    u = env.unwrapped_mujoco
-    m = u.model
+    mujoco_env = env.unwrapped_mujoco
+    model = mujoco_env.model
     dims = list(dims)
-    adr = np.array([m.jnt_qposadr[m.actuator_trnid[d, 0]] for d in dims])
-    k = np.array([m.actuator_gainprm[d, 0] / -m.actuator_biasprm[d, 1] for d in dims])
-    return adr, np.stack([k, np.asarray(u.act_mean)[dims], np.asarray(u.act_rng)[dims]])
+    adr = np.array([model.jnt_qposadr[model.actuator_trnid[d, 0]] for d in dims])
+    k = np.array([model.actuator_gainprm[d, 0] / -model.actuator_biasprm[d, 1] for d in dims])
+    return adr, np.stack([k, np.asarray(mujoco_env.act_mean)[dims], np.asarray(mujoco_env.act_rng)[dims]])
 
 
 def _embed(values: np.ndarray, dims: Sequence[int], action_dim: int) -> np.ndarray:
@@ -294,32 +294,32 @@ def _rollouts(policy: Any, constraint: AdroitConstraint, pool: list, guide: guid
             calls += 1
             n_chunks += idx.size
             t_batched += dt
-            for j, i in enumerate(idx):
-                if not np.isfinite(chunks[j]).all():  # the sampler diverged: no valid command
-                    nonfinite[i] = True
-                    active[i] = False
-                queues[i] = list(chunks[j, :n_exec])
-        for i in np.flatnonzero(active):
-            a = queues[i].pop(0)
+            for row, episode in enumerate(idx):
+                if not np.isfinite(chunks[row]).all():  # the sampler diverged: no valid command
+                    nonfinite[episode] = True
+                    active[episode] = False
+                queues[episode] = list(chunks[row, :n_exec])
+        for episode in np.flatnonzero(active):
+            action = queues[episode].pop(0)
             if clip:
-                a = constraint.clip(a)
-            a = np.clip(a, -1.0, 1.0)  # what the env executes anyway
-            ex = constraint.excess(a)
-            a_max[i] = max(a_max[i], float(ex.max()))
-            a_sum[i] += float(ex.sum())
-            obs[i], _, _, trunc, info = pool[i].step(a)
-            q_as_action = (pool[i].unwrapped_mujoco.data.qpos[adr] / k_servo - act_mean) / act_rng
+                action = constraint.clip(action)
+            action = np.clip(action, -1.0, 1.0)  # what the env executes anyway
+            ex = constraint.excess(action)
+            a_max[episode] = max(a_max[episode], float(ex.max()))
+            a_sum[episode] += float(ex.sum())
+            obs[episode], _, _, trunc, info = pool[episode].step(action)
+            q_as_action = (pool[episode].unwrapped_mujoco.data.qpos[adr] / k_servo - act_mean) / act_rng
             qx = constraint.excess(_embed(q_as_action, constraint.dims, adim))
-            q_max[i] = max(q_max[i], float(qx.max()))
-            steps[i] += 1
+            q_max[episode] = max(q_max[episode], float(qx.max()))
+            steps[episode] += 1
             if info["success"]:
-                success[i] = True
-                active[i] = False
+                success[episode] = True
+                active[episode] = False
             elif trunc:
-                active[i] = False
+                active[episode] = False
     latency = []
-    for o in first_obs[:max(0, latency_calls)]:
-        _, _, dt = sample_chunks(policy, [o], guide, torch.randn(1, H, adim, generator=gen))
+    for observation in first_obs[:max(0, latency_calls)]:
+        _, _, dt = sample_chunks(policy, [observation], guide, torch.randn(1, H, adim, generator=gen))
         latency.append(dt)
     return {"success": success, "steps": steps, "nonfinite": nonfinite, "a_max": a_max, "a_sum": a_sum, "q_max": q_max,
             "chunk_viol": chunk_viol, "chunk_entries": chunk_entries, "nfe": nfe, "n_backward": n_backward,
@@ -354,8 +354,8 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
         raw = _rollouts(policy, constraint, pool, guide, clip, episodes, seed, tol, latency_calls)
     finally:
         if own:
-            for e in pool:
-                e.close()
+            for env in pool:
+                env.close()
     success, steps, a_max, a_sum, q_max = (raw[k] for k in ("success", "steps", "a_max", "a_sum", "q_max"))
     violated = (a_max > tol) | raw["nonfinite"]  # a NaN command is inside no limit
     chunk_viol, chunk_entries, nfe, n_backward, calls, n_chunks, t_batched, latency = (

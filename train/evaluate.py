@@ -19,12 +19,12 @@ from policies.model import PolicyMismatchError, check_vocabulary
 
 
 def check_compatible(policy: Any, env: Any) -> None:
-    c = policy.config
-    if c.action_dim != env.action_space.shape[0] or c.state_dim != env.state_dim:
+    config = policy.config
+    if config.action_dim != env.action_space.shape[0] or config.state_dim != env.state_dim:
         raise PolicyMismatchError(
-            f"checkpoint has state/action dims ({c.state_dim}, {c.action_dim}) but env {env.env_id} has "
+            f"checkpoint has state/action dims ({config.state_dim}, {config.action_dim}) but env {env.env_id} has "
             f"({env.state_dim}, {env.action_space.shape[0]})")
-    missing = [cam for cam in c.cameras if cam not in env.cameras]
+    missing = [cam for cam in config.cameras if cam not in env.cameras]
     if missing:
         raise PolicyMismatchError(f"checkpoint needs cameras {missing}; env {env.env_id} provides {list(env.cameras)}")
 
@@ -63,8 +63,8 @@ def rollout(policy: Any, env: Any, seed: int, options: dict | None = None,
     policy.reset()
     success, other, done = False, False, None
     for _ in range(env.max_episode_steps):
-        a = (act or policy.select_action)(obs)
-        obs, r, term, trunc, info = env.step(a)
+        action = (act or policy.select_action)(obs)
+        obs, reward, term, trunc, info = env.step(action)
         if instruction is not None:
             obs["instruction"] = instruction
         if frames is not None:
@@ -100,26 +100,26 @@ def evaluate(policy: Any, env_id: str, episodes: int = 20, seed: int = 1000, env
         check_vocabulary(policy, instrs, suite, what=f"the {suite.name} suite")
     res = EvalResult(env_id, 0, 0)
     t0 = time.time()
-    for i in tqdm(range(episodes), desc=f"eval {env_id}", disable=not progress, unit="ep"):
-        instr = instrs[i % len(instrs)]
-        frames = [] if (video_dir and i < n_videos) else None
-        out = rollout(policy, env, seed + i, options={"instruction": instr} if suite else None, frames=frames)
+    for episode in tqdm(range(episodes), desc=f"eval {env_id}", disable=not progress, unit="ep"):
+        instr = instrs[episode % len(instrs)]
+        frames = [] if (video_dir and episode < n_videos) else None
+        out = rollout(policy, env, seed + episode, options={"instruction": instr} if suite else None, frames=frames)
         res.episodes += 1
         res.successes += out["success"]
         res.other_task += out["other_task"]
-        d = res.per_instruction.setdefault(instr, {"episodes": 0, "successes": 0})
-        d["episodes"] += 1
-        d["successes"] += int(out["success"])
+        stats = res.per_instruction.setdefault(instr, {"episodes": 0, "successes": 0})
+        stats["episodes"] += 1
+        stats["successes"] += int(out["success"])
         if suite is not None:
             end = instr if out["success"] else (
                 suite.tasks[out["completed_at_end"][0]].instruction if out["completed_at_end"] else "none")
             row = res.confusion.setdefault(instr, {})
             row[end] = row.get(end, 0) + 1
         if frames:
-            _write_video(video_dir / f"episode_{i:03d}.mp4", frames)
-    for d in res.per_instruction.values():
-        d["success_rate"] = d["successes"] / d["episodes"]
-        d["ci95"] = list(wilson(d["successes"], d["episodes"]))
+            _write_video(video_dir / f"episode_{episode:03d}.mp4", frames)
+    for stats in res.per_instruction.values():
+        stats["success_rate"] = stats["successes"] / stats["episodes"]
+        stats["ci95"] = list(wilson(stats["successes"], stats["episodes"]))
     res.seconds = time.time() - t0
     if own:
         env.close()
@@ -131,9 +131,9 @@ def _write_video(path: Path, frames: list[np.ndarray]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         imageio.mimsave(path, frames, fps=20)
-    except Exception as e:  # no ffmpeg: fall back to a GIF rather than failing the evaluation
+    except Exception as err:  # no ffmpeg: fall back to a GIF rather than failing the evaluation
         imageio.mimsave(path.with_suffix(".gif"), frames)
-        print(f"video: mp4 writer unavailable ({e}); wrote {path.with_suffix('.gif')}")
+        print(f"video: mp4 writer unavailable ({err}); wrote {path.with_suffix('.gif')}")
 
 
 @dataclass
@@ -170,9 +170,10 @@ def eval_command(argv: list[str]) -> None:
     out = args.out or (Path(args.ckpt) / f"eval_{env_id.replace('/', '_')}.json")
     res = evaluate(policy, env_id, args.episodes, args.seed, opts, instructions=list(args.instructions) or None,
                    video_dir=out.parent / "videos" if args.videos else None, n_videos=args.videos)
-    d = res.to_dict()
+    results = res.to_dict()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(d, indent=2))
-    print(json.dumps({k: d[k] for k in ("env_id", "episodes", "success_rate", "ci95", "did_other_task_rate")}, indent=2))
-    for instr, v in d["per_instruction"].items():
-        print(f"  {v['success_rate']:.2f} [{v['ci95'][0]:.2f}, {v['ci95'][1]:.2f}]  {instr}")
+    out.write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: results[k] for k in ("env_id", "episodes", "success_rate", "ci95", "did_other_task_rate")},
+                     indent=2))
+    for instr, stats in results["per_instruction"].items():
+        print(f"  {stats['success_rate']:.2f} [{stats['ci95'][0]:.2f}, {stats['ci95'][1]:.2f}]  {instr}")

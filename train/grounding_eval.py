@@ -91,34 +91,35 @@ def evaluate_protocols(policy_or_ckpt: Any, suite: str, episodes: int = 24, seed
         if "p1" in todo:
             tracked = _Tracked(env)
             _prepare(policy, tracked)
-            r = evaluate(policy, env_id, episodes, seed, env=tracked, instructions=instrs, progress=progress)
-            d = r.to_dict()
-            d["did_other_task_ci95"] = list(wilson(r.other_task, r.episodes))
-            out["p1_random_layout"] = d
-            summary["p1_success"] = _rate(r.successes, r.episodes)
-            summary["p1_did_other_task"] = _rate(r.other_task, r.episodes)
+            eval_result = evaluate(policy, env_id, episodes, seed, env=tracked, instructions=instrs, progress=progress)
+            row = eval_result.to_dict()
+            row["did_other_task_ci95"] = list(wilson(eval_result.other_task, eval_result.episodes))
+            out["p1_random_layout"] = row
+            summary["p1_success"] = _rate(eval_result.successes, eval_result.episodes)
+            summary["p1_did_other_task"] = _rate(eval_result.other_task, eval_result.episodes)
         if "p3" in todo:
-            r = swap_eval(policy, env_id, list(range(seed + 1000, seed + 1000 + swap_seeds)), instructions=instrs,
-                          env=env, progress=progress)
-            out["p3_swap"] = r
-            summary["p3_swap"] = _rate(r["successes"], r["episodes"])
-            summary["p3_did_other_task"] = {"rate": r["did_other_task_rate"], "ci95": r["did_other_task_ci95"],
-                                            "n": r["episodes"]}
+            swap = swap_eval(policy, env_id, list(range(seed + 1000, seed + 1000 + swap_seeds)), instructions=instrs,
+                             env=env, progress=progress)
+            out["p3_swap"] = swap
+            summary["p3_swap"] = _rate(swap["successes"], swap["episodes"])
+            summary["p3_did_other_task"] = {"rate": swap["did_other_task_rate"], "ci95": swap["did_other_task_ci95"],
+                                            "n": swap["episodes"]}
         if "p4" in todo:
-            r = switch_eval(policy, env_id, switch_episodes or episodes, seed + 2000, instructions=instrs,
-                            cases=switch_cases, env=env, progress=progress)
-            out["p4_switch"] = r
-            summary["p4_switch"] = _rate(r["successes"], r["episodes"])
-            summary["p4_old_task_completed"] = {"rate": r["old_task_completed_rate"], "ci95": r["old_task_ci95"],
-                                                "n": r["episodes"]}
-            summary["p4_expert"] = {"rate": r["expert_success_rate"], "ci95": r["expert_ci95"], "n": r["cases"]}
+            switch = switch_eval(policy, env_id, switch_episodes or episodes, seed + 2000, instructions=instrs,
+                                 cases=switch_cases, env=env, progress=progress)
+            out["p4_switch"] = switch
+            summary["p4_switch"] = _rate(switch["successes"], switch["episodes"])
+            summary["p4_old_task_completed"] = {"rate": switch["old_task_completed_rate"],
+                                                "ci95": switch["old_task_ci95"], "n": switch["episodes"]}
+            summary["p4_expert"] = {"rate": switch["expert_success_rate"], "ci95": switch["expert_ci95"],
+                                    "n": switch["cases"]}
         if "p5" in todo:
-            r = paraphrase_eval(policy, env_id, paraphrase_episodes or episodes, seed + 3000, instructions=instrs,
-                                env=env, progress=progress)
-            out["p5_paraphrase"] = r
-            summary["p5_paraphrase"] = _rate(r["successes"], r["episodes"])
-            if "clean" in r:
-                summary["p5_clean"] = _rate(r["clean"]["successes"], r["clean"]["episodes"])
+            paraphrase = paraphrase_eval(policy, env_id, paraphrase_episodes or episodes, seed + 3000,
+                                         instructions=instrs, env=env, progress=progress)
+            out["p5_paraphrase"] = paraphrase
+            summary["p5_paraphrase"] = _rate(paraphrase["successes"], paraphrase["episodes"])
+            if "clean" in paraphrase:
+                summary["p5_clean"] = _rate(paraphrase["clean"]["successes"], paraphrase["clean"]["episodes"])
     finally:
         if own:
             env.close()

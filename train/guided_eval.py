@@ -22,12 +22,12 @@ from guidance.geometry import Box, Sphere
 
 def obstacles_of(raw: Any) -> list:
     out = []
-    for o in raw.obstacle_list():
-        if o["type"] == "box":
-            out.append(Box(torch.as_tensor(o["center"], dtype=torch.float32),
-                           torch.as_tensor(o["half_size"], dtype=torch.float32)))
+    for obstacle in raw.obstacle_list():
+        if obstacle["type"] == "box":
+            out.append(Box(torch.as_tensor(obstacle["center"], dtype=torch.float32),
+                           torch.as_tensor(obstacle["half_size"], dtype=torch.float32)))
         else:
-            out.append(Sphere(torch.as_tensor(o["center"], dtype=torch.float32), float(o["radius"])))
+            out.append(Sphere(torch.as_tensor(obstacle["center"], dtype=torch.float32), float(obstacle["radius"])))
     return out
 
 
@@ -52,8 +52,8 @@ class BodyPath:
         self.path.check(event_shape)
 
     def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
-        p = self.path(chunk)
-        return (p[:, :, None, :] + self.offsets.to(p)).flatten(1, 2)
+        tcp_path = self.path(chunk)
+        return (tcp_path[:, :, None, :] + self.offsets.to(tcp_path)).flatten(1, 2)
 
 
 def obstacle_cost(policy: Any, raw: Any, margin: float, weight: float = 1e4, goal_weight: float = 0.0,
@@ -90,10 +90,10 @@ def evaluate_collision(policy: Any, method: str = "none", scale: float = 0.0, ep
     succ = coll = clean = 0
     nfe = chunks = 0
     t_sample = 0.0
-    for i in range(episodes):
-        obs, info = env.reset(seed=seed + i)
+    for episode in range(episodes):
+        obs, info = env.reset(seed=seed + episode)
         policy.reset()
-        torch.manual_seed(seed + i)  # the flow sampler's noise: a rerun gives the same rates
+        torch.manual_seed(seed + episode)  # the flow sampler's noise: a rerun gives the same rates
         queue: list[np.ndarray] = []
         collided = False
         success = False
@@ -104,19 +104,19 @@ def evaluate_collision(policy: Any, method: str = "none", scale: float = 0.0, ep
                     cost = obstacle_cost(policy, raw, margin, goal_weight=goal_weight, body=body)
                     if cost is not None:
                         guide = guidance.make(method, cost=cost, scale=scale, **(options or {}))
-                t = time.perf_counter()
+                t_start = time.perf_counter()
                 batch = policy.obs_to_batch(obs)
                 if guide is not None and guide.needs_network_grad:
                     x, st = policy.sample_chunks(batch, guide=guide, return_stats=True)
                 else:
                     with torch.no_grad():
                         x, st = policy.sample_chunks(batch, guide=guide, return_stats=True)
-                t_sample += time.perf_counter() - t
+                t_sample += time.perf_counter() - t_start
                 nfe += st.nfe
                 chunks += 1
                 chunk = policy.normalizer.unaction(x.detach())[0].numpy()
                 queue = list(chunk[: policy.config.n_exec])
-            obs, r, term, trunc, info = env.step(queue.pop(0))
+            obs, reward, term, trunc, info = env.step(queue.pop(0))
             collided = collided or bool(info.get("collision", False))
             if info["success"]:
                 success = True

@@ -207,8 +207,8 @@ def swap_eval(policy: Any, env_id: str, seeds: Iterable[int], instructions: list
         instrs = list(instructions or suite.instructions)
         if len(instrs) < 2:
             raise InstructionError(f"the swap protocol needs >= 2 instructions, got {instrs}")
-        for s in instrs:
-            suite.task(s)
+        for instruction in instrs:
+            suite.task(instruction)
         if hasattr(policy, "lang"):
             check_vocabulary(policy, instrs, suite, what=f"the {suite.name} suite")
         tracked = _Tracked(env)
@@ -227,10 +227,10 @@ def swap_eval(policy: Any, env_id: str, seeds: Iterable[int], instructions: list
                 res.other_task += out["other_task"]
                 wins += out["success"]
                 others += out["other_task"]
-                d = res.per_instruction.setdefault(instr, {"episodes": 0, "successes": 0, "did_other_task": 0})
-                d["episodes"] += 1
-                d["successes"] += int(out["success"])
-                d["did_other_task"] += int(out["other_task"])
+                stats = res.per_instruction.setdefault(instr, {"episodes": 0, "successes": 0, "did_other_task": 0})
+                stats["episodes"] += 1
+                stats["successes"] += int(out["success"])
+                stats["did_other_task"] += int(out["other_task"])
                 bar.update()
             states = tracked.initial_states
             same = None if states[0] is None else all(np.allclose(s, states[0], rtol=0, atol=1e-6) for s in states)
@@ -241,10 +241,10 @@ def swap_eval(policy: Any, env_id: str, seeds: Iterable[int], instructions: list
     finally:
         if own:
             env.close()
-    for d in res.per_instruction.values():
-        d["success_rate"] = d["successes"] / d["episodes"]
-        d["ci95"] = list(wilson(d["successes"], d["episodes"]))
-        d["did_other_task_rate"] = d["did_other_task"] / d["episodes"]
+    for stats in res.per_instruction.values():
+        stats["success_rate"] = stats["successes"] / stats["episodes"]
+        stats["ci95"] = list(wilson(stats["successes"], stats["episodes"]))
+        stats["did_other_task_rate"] = stats["did_other_task"] / stats["episodes"]
     out = res.to_dict()
     all_ok = sum(v["all_success"] for v in per_seed.values())
     sames = [v["same_initial_state"] for v in per_seed.values()]
@@ -285,16 +285,16 @@ def correlated_split_eval(policy: Any, env_id: str, episodes: int = 24, seed: in
     out: dict[str, Any] = {"protocol": "correlated_split", "env_id": env_id, "episodes": int(episodes), "seed": seed}
     for key, layout in SPLIT_LAYOUTS.items():
         own = env is None
-        e = _make(policy, env_id, {**opts, "layout": layout}) if own else env
+        layout_env = _make(policy, env_id, {**opts, "layout": layout}) if own else env
         try:
-            tracked = _Tracked(e, reset_options=None if own else {"layout": layout})
+            tracked = _Tracked(layout_env, reset_options=None if own else {"layout": layout})
             _prepare(policy, tracked)
-            r = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress,
-                         instructions=instructions).to_dict()
+            result = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress,
+                              instructions=instructions).to_dict()
         finally:
             if own:
-                e.close()
-        out[key] = {"layout": layout, **r}
+                layout_env.close()
+        out[key] = {"layout": layout, **result}
     out["gap"] = out["in_distribution"]["success_rate"] - out["split"]["success_rate"]
     return out
 
@@ -313,8 +313,8 @@ def perturbation_eval(policy: Any, env_id: str, families: Iterable[str] | None =
     family that cannot act on the env is reported as ``{"skipped": True, "reason": ...}``.
     """
     fams = list(FAMILIES if families is None else families)
-    for f in fams:
-        check_family(f)
+    for family in fams:
+        check_family(family)
     params = dict(params or {})
     bad = sorted(set(params) - set(fams))
     if bad:
@@ -341,14 +341,14 @@ def perturbation_eval(policy: Any, env_id: str, families: Iterable[str] | None =
             try:
                 tracked = _Tracked(wrapped)
                 _prepare(policy, tracked)
-                r = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress,
-                             instructions=instructions).to_dict()
+                result = evaluate(policy, env_id, int(episodes), seed, env=tracked, progress=progress,
+                                  instructions=instructions).to_dict()
             finally:
                 wrapped.restore()
-            r["perturbation"] = wrapped.describe()
+            result["perturbation"] = wrapped.describe()
             if clean:
-                r["delta_vs_clean"] = r["success_rate"] - out["clean"]["success_rate"]
-            out["families"][fam] = {"skipped": False, **r}
+                result["delta_vs_clean"] = result["success_rate"] - out["clean"]["success_rate"]
+            out["families"][fam] = {"skipped": False, **result}
     finally:
         if own:
             env.close()
@@ -383,8 +383,8 @@ def _objects(task: Any) -> set[str]:
 
 
 def _primary(task: Any) -> str | None:
-    a = task.args
-    return str(a.get("cube", a.get("object"))) if ("cube" in a or "object" in a) else None
+    args = task.args
+    return str(args.get("cube", args.get("object"))) if ("cube" in args or "object" in args) else None
 
 
 def switch_targets(suite: Any, old: str | int, pool: Iterable[str] | None = None) -> list[str]:
@@ -393,20 +393,21 @@ def switch_targets(suite: Any, old: str | int, pool: Iterable[str] | None = None
     pair; kitchen: another object), so the new task is still feasible wherever ``old`` got to and
     doing ``old`` is no progress on it. Falls back to tasks with another main object, then to any
     other task."""
-    o = suite.task(old)
+    old_task = suite.task(old)
     cands = [suite.task(p) for p in (suite.instructions if pool is None else pool)]
-    cands = [t for t in cands if t.task_id != o.task_id]
-    for keep in (lambda t: not (_objects(t) & _objects(o)), lambda t: _primary(t) != _primary(o), lambda t: True):
+    cands = [t for t in cands if t.task_id != old_task.task_id]
+    for keep in (lambda t: not (_objects(t) & _objects(old_task)), lambda t: _primary(t) != _primary(old_task),
+                 lambda t: True):
         tier = [t.instruction for t in cands if keep(t)]
         if tier:
             return tier
-    raise InstructionError(f"no instruction to switch to from {o.instruction!r} in {list(pool or [])}")
+    raise InstructionError(f"no instruction to switch to from {old_task.instruction!r} in {list(pool or [])}")
 
 
-def _check_positive(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        raise InvalidOptionError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
+def _check_positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise InvalidOptionError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
 
 
 def _suite_of(env: Any, env_id: str, what: str) -> Any:
@@ -425,13 +426,13 @@ def _switch_rollout(policy: Any, env: Any, case: SwitchCase, replan: bool = True
     obs, info = env.reset(seed=case.seed, options={"instruction": case.old})
     policy.reset()
     out = {"success": False, "old_completed": False, "other_task": False, "new_before_switch": False, "steps": 0}
-    for t in range(env.max_episode_steps):
-        if t == case.switch_after and replan:
+    for step in range(env.max_episode_steps):
+        if step == case.switch_after and replan:
             policy.reset()  # drop queued actions: the new command is acted on from this step
-        if t >= case.switch_after:
+        if step >= case.switch_after:
             obs = {**obs, "instruction": case.new}
         obs, _, _, trunc, info = env.step(policy.select_action(obs))
-        out["steps"] = t + 1
+        out["steps"] = step + 1
         done = info.get("completed_tasks")
         if done is not None:
             done = np.asarray(done, bool)
@@ -439,7 +440,7 @@ def _switch_rollout(policy: Any, env: Any, case: SwitchCase, replan: bool = True
             others = np.delete(done, [old_id, new_id])
             out["other_task"] |= bool(others.any())
             if done[new_id]:
-                if t + 1 <= case.switch_after:
+                if step + 1 <= case.switch_after:
                     out["new_before_switch"] = True  # done before it was asked for: never a success
                 elif not out["new_before_switch"]:
                     out["success"] = True
@@ -476,19 +477,20 @@ def switch_cases(env_id: str, episodes: int = 24, seed: int = 3000, instructions
             raise InstructionError(f"the switch protocol needs >= 2 instructions, got {instrs}")
         tracked = _Tracked(env)
         plan: list[tuple[int, str, str]] = []
-        for i in range(episodes):
-            old = instrs[i % len(instrs)]
+        for case_index in range(episodes):
+            old = instrs[case_index % len(instrs)]
             targets = switch_targets(suite, old, instrs)
-            plan.append((seed + i, old, targets[int(np.random.default_rng(seed + i).integers(len(targets)))]))
+            plan.append((seed + case_index, old,
+                         targets[int(np.random.default_rng(seed + case_index).integers(len(targets)))]))
         after: dict[str, int] = {}
         if switch_after is None:  # a fraction of the expert's own episode under the old instruction
             lengths: dict[str, list[int]] = {}
             expert = ExpertPolicy()
             _prepare(expert, tracked)
-            for s, old, _ in tqdm(plan, desc="switch: expert lengths", disable=not progress, unit="ep"):
-                n = _expert_steps(expert, tracked, s, old)
-                if n is not None:
-                    lengths.setdefault(old, []).append(n)
+            for case_seed, old, _ in tqdm(plan, desc="switch: expert lengths", disable=not progress, unit="ep"):
+                steps = _expert_steps(expert, tracked, case_seed, old)
+                if steps is not None:
+                    lengths.setdefault(old, []).append(steps)
             every = [n for v in lengths.values() for n in v]
             if not every:
                 raise InvalidOptionError(f"{env_id}: the expert solved none of the old instructions; pass switch_after")
@@ -499,9 +501,9 @@ def switch_cases(env_id: str, episodes: int = 24, seed: int = 3000, instructions
         if check_expert:
             expert = ExpertPolicy()
             _prepare(expert, tracked)
-            for c in tqdm(cases, desc="switch: expert check", disable=not progress, unit="ep"):
-                r = _switch_rollout(expert, tracked, c)
-                c.expert_success, c.expert_steps = bool(r["success"]), int(r["steps"])
+            for case in tqdm(cases, desc="switch: expert check", disable=not progress, unit="ep"):
+                result = _switch_rollout(expert, tracked, case)
+                case.expert_success, case.expert_steps = bool(result["success"]), int(result["steps"])
     finally:
         if own:
             env.close()
@@ -512,10 +514,10 @@ def _expert_steps(expert: ExpertPolicy, env: Any, seed: int, instruction: str) -
     """Steps the expert needs for ``instruction`` from ``seed`` (None: not done within the limit)."""
     obs, _ = env.reset(seed=seed, options={"instruction": instruction})
     expert.reset()
-    for t in range(env.max_episode_steps):
+    for step in range(env.max_episode_steps):
         obs, _, term, trunc, info = env.step(expert.select_action(obs))
         if info["success"]:
-            return t + 1
+            return step + 1
         if term or trunc:
             break
     return None
@@ -558,26 +560,29 @@ def switch_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 3000, 
         _prepare(policy, tracked)
         t0 = time.time()
         per_case = []
-        for c in tqdm(cases, desc=f"switch {env_id}", disable=not progress, unit="ep"):
-            counted = not skip_expert_failures or bool(c.expert_success)
-            r = _switch_rollout(policy, tracked, c, replan=replan_at_switch) if counted else None
-            per_case.append({**c.to_dict(), "counted": counted, **(r or {})})
+        for case in tqdm(cases, desc=f"switch {env_id}", disable=not progress, unit="ep"):
+            counted = not skip_expert_failures or bool(case.expert_success)
+            result = _switch_rollout(policy, tracked, case, replan=replan_at_switch) if counted else None
+            per_case.append({**case.to_dict(), "counted": counted, **(result or {})})
     finally:
         if own:
             env.close()
     run = [p for p in per_case if p["counted"]]
-    n = len(run)
-    k = sum(p["success"] for p in run)
+    n_counted = len(run)
+    successes = sum(p["success"] for p in run)
     old_k = sum(p["old_completed"] for p in run)
     other_k = sum(p["other_task"] for p in run)
     checked = [c for c in cases if c.expert_success is not None]
     ex_k = sum(bool(c.expert_success) for c in checked)
     return {
-        "protocol": "instruction_switch", "env_id": env_id, "cases": len(cases), "episodes": n,
-        "skipped_expert_failures": len(cases) - n, "successes": k,
-        "switch_success_rate": k / n if n else 0.0, "ci95": list(wilson(k, n)),
-        "old_task_completed_rate": old_k / n if n else 0.0, "old_task_ci95": list(wilson(old_k, n)),
-        "did_other_task_rate": other_k / n if n else 0.0, "did_other_task_ci95": list(wilson(other_k, n)),
+        "protocol": "instruction_switch", "env_id": env_id, "cases": len(cases), "episodes": n_counted,
+        "skipped_expert_failures": len(cases) - n_counted, "successes": successes,
+        "switch_success_rate": successes / n_counted if n_counted else 0.0,
+        "ci95": list(wilson(successes, n_counted)),
+        "old_task_completed_rate": old_k / n_counted if n_counted else 0.0,
+        "old_task_ci95": list(wilson(old_k, n_counted)),
+        "did_other_task_rate": other_k / n_counted if n_counted else 0.0,
+        "did_other_task_ci95": list(wilson(other_k, n_counted)),
         "expert_success_rate": ex_k / len(checked) if checked else None,
         "expert_ci95": list(wilson(ex_k, len(checked))) if checked else None,
         "mean_switch_after": float(np.mean([c.switch_after for c in cases])),
@@ -607,19 +612,19 @@ def paraphrase_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 40
         instrs = [suite.task(l).instruction for l in (instructions or suite.instructions)]
         paras = {p for l in instrs for p in suite.task(l).paraphrases}
         known = sorted(paras & set(getattr(getattr(policy, "lang", None), "cache", {}) or {}))
-        r = perturbation_eval(policy, env_id, ["paraphrase"], episodes, seed, env=env,
-                              params={"paraphrase": {"magnitude": 1.0}}, perturbation_seed=perturbation_seed,
-                              clean=clean, progress=progress, instructions=instrs)
+        result = perturbation_eval(policy, env_id, ["paraphrase"], episodes, seed, env=env,
+                                   params={"paraphrase": {"magnitude": 1.0}}, perturbation_seed=perturbation_seed,
+                                   clean=clean, progress=progress, instructions=instrs)
     finally:
         if own:
             env.close()
-    fam = r["families"]["paraphrase"]
+    fam = result["families"]["paraphrase"]
     out = {"protocol": "paraphrase", "env_id": env_id, "episodes": fam["episodes"], "seed": seed,
            "successes": fam["successes"], "success_rate": fam["success_rate"], "ci95": fam["ci95"],
            "did_other_task_rate": fam["did_other_task_rate"], "per_instruction": fam["per_instruction"],
-           "paraphrases_in_vocabulary": known, "seconds": r["seconds"]}
+           "paraphrases_in_vocabulary": known, "seconds": result["seconds"]}
     if clean:
-        out["clean"] = {k: r["clean"][k] for k in ("episodes", "successes", "success_rate", "ci95",
-                                                    "did_other_task_rate")}
+        out["clean"] = {k: result["clean"][k] for k in ("episodes", "successes", "success_rate", "ci95",
+                                                         "did_other_task_rate")}
         out["delta_vs_clean"] = fam["delta_vs_clean"]
     return out
