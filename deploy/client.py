@@ -249,6 +249,7 @@ class LocalPolicy:
     def __init__(self, policy: Any, rtc: RTCConfig | None = None):
         self.policy = policy
         self.metadata = policy_metadata(policy, protocol.MAX_MESSAGE_BYTES)
+        self.bounds = _announced_bounds(self.metadata)
         self.rtc_config = rtc or RTCConfig()
         self.healthy = True
 
@@ -257,7 +258,7 @@ class LocalPolicy:
         t0 = time.perf_counter()
         actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config)
         ms = (time.perf_counter() - t0) * 1e3
-        return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"], _announced_bounds(self.metadata)),
+        return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"], self.bounds),
                           {"infer_ms": ms, "rtt_ms": ms, "overhead_ms": 0.0})
 
     def reset(self) -> None:

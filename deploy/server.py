@@ -29,7 +29,7 @@ import numpy as np
 
 from deploy import protocol
 from deploy.errors import ProtocolError
-from deploy.inference import action_bounds, infer_chunk, policy_metadata, supports_prefix
+from deploy.inference import action_bounds, infer_chunk, policy_metadata
 from envs.errors import InvalidOptionError
 from policies.model import NULL_INSTRUCTION
 from policies.rtc import RTCConfig
@@ -72,8 +72,8 @@ class PolicyServer:
         self.host, self._port = host, int(port)
         self.max_message_bytes = int(max_message_bytes)
         self.rtc_config = rtc or RTCConfig()
-        self.rtc = supports_prefix(policy)
         self.metadata = policy_metadata(policy, self.max_message_bytes, action_margin)
+        self.rtc = self.metadata["rtc"]
         self.bounds = action_bounds(policy, action_margin)
         self.hello_timeout_s = hello_timeout_s
         self.idle_timeout_s = idle_timeout_s
