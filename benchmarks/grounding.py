@@ -47,6 +47,7 @@ from train.recipes import recipe_args  # noqa: E402
 SUITES = {"tabletop": "maniskill/TabletopSuite-v1", "kitchen": "robosuite/KitchenSuite"}
 DEMOS = {"tabletop": 1200, "kitchen": 600}
 ABLATION = {  # name -> overrides of the multitask recipe (tabletop, flow)
+    "with_velocities": {"ignore_state": ()},
     "late_fusion_H1": {"fusion": "late", "lang_norm": False},
     "early_fusion_H1": {"lang_norm": False},
     "early_fusion_langnorm_H1 (recipe)": {},

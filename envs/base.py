@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import fnmatch
+
 import gymnasium as gym
 import numpy as np
 
@@ -32,6 +34,28 @@ def check_action(action: Any, shape: tuple[int, ...], low: np.ndarray | None = N
     return a
 
 
+def state_indices(layout: list[tuple[str, int]] | None, patterns: tuple[str, ...], env_id: str = "") -> list[int]:
+    """Indices of the flat state covered by the slices whose names match any of ``patterns``
+    (shell-style, e.g. ``*vel``). Every pattern must match a slice: a typo would otherwise
+    silently leave the policy reading what the user meant to hide."""
+    if not patterns:
+        return []
+    if not layout:
+        raise InvalidOptionError(f"{env_id or 'this env'} does not name the slices of its state, so state "
+                                 f"patterns {list(patterns)} cannot be resolved")
+    names = [n for n, _ in layout]
+    unmatched = [p for p in patterns if not fnmatch.filter(names, p)]
+    if unmatched:
+        raise InvalidOptionError(f"state pattern(s) {unmatched} match no slice of {env_id or 'the'} state; "
+                                 f"its slices: {names}")
+    out, start = [], 0
+    for name, size in layout:
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            out += range(start, start + size)
+        start += size
+    return out
+
+
 class GroundflowEnv(gym.Env):
     """Base env: subclasses fill ``state_dim``, ``action_low/high``, ``cameras``, ``image_size``.
 
@@ -47,6 +71,8 @@ class GroundflowEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"]}
     env_id: str = ""
     backend: str = ""
+    state_layout: list[tuple[str, int]] | None = None
+    """(name, size) of each slice of the flat state, in order, where the backend can name them"""
 
     def __init__(self, state_dim: int, action_low: np.ndarray, action_high: np.ndarray,
                  cameras: tuple[str, ...] = (), image_size: int = 128, max_episode_steps: int = 200,

@@ -96,10 +96,30 @@ class ManiSkillEnv(GroundflowEnv):
                          action_high=space.high.reshape(-1), cameras=cameras, image_size=image_size,
                          max_episode_steps=steps, instruction=instruction or default_instr)
         self.env_id = env_id
+        self.state_layout = self._layout_of(raw, state.shape[0])
         self._fixed_instruction = instruction
         self._last_seed: int | None = None
 
     # ----- conversions ----------------------------------------------------------------------
+    @staticmethod
+    def _layout_of(raw: Any, state_dim: int) -> list[tuple[str, int]] | None:
+        """Names of the flat "state" observation's slices: ManiSkill flattens its state dict
+        (agent/qpos, agent/qvel, extra/...) in order; None if that no longer adds up."""
+        try:
+            tree = raw._get_obs_state_dict(raw.get_info())
+        except Exception:  # a private API: a ManiSkill version without it just has no layout
+            return None
+        layout: list[tuple[str, int]] = []
+
+        def walk(d: dict, prefix: str) -> None:
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    walk(v, f"{prefix}{k}/")
+                else:
+                    layout.append((prefix + k, int(np.prod(v.shape[1:]))))
+        walk(tree, "")
+        return layout if sum(n for _, n in layout) == state_dim else None
+
     @staticmethod
     def _state_of(obs: Any) -> np.ndarray:
         x = obs["state"] if isinstance(obs, dict) else obs

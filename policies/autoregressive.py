@@ -37,6 +37,15 @@ class AutoregressiveVLA(VLAModel):
         a = (tokens.float() + 0.5) / nb * 2 - 1
         return a.view(tokens.shape[0], self.config.horizon, self.config.action_dim)
 
+    def soft_targets(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, N) bin indices -> (B, N, n_bins) target distributions: the Gaussian of std
+        ``bin_sigma`` (in bins) around each bin centre, integrated over the bins (HL-Gauss)."""
+        nb, s = self.config.n_bins, self.config.bin_sigma
+        edges = torch.arange(nb + 1, device=tokens.device, dtype=torch.float32)
+        cdf = torch.special.ndtr((edges - (tokens[..., None].float() + 0.5)) / s)
+        p = cdf[..., 1:] - cdf[..., :-1]
+        return p / p.sum(-1, keepdim=True)
+
     # ----- network --------------------------------------------------------------------------
     def logits(self, prefix: torch.Tensor, pad: torch.Tensor, tokens: torch.Tensor,
                keep: bool = False) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
@@ -75,7 +84,11 @@ class AutoregressiveVLA(VLAModel):
             drop = torch.rand(B, device=self.device) < self.config.instruction_dropout
         prefix, pad = self.prefix(batch, drop_lang=drop)
         tokens = self.tokenize(a)
-        lp = self.token_logprobs(prefix, pad, tokens)
+        if self.config.bin_sigma > 0:
+            logp = F.log_softmax(self.logits(prefix, pad, tokens[:, :-1]).float(), -1)
+            lp = (self.soft_targets(tokens) * logp).sum(-1)  # -cross-entropy against the smoothed bins
+        else:
+            lp = self.token_logprobs(prefix, pad, tokens)
         valid = self._valid_tokens(batch, B)
         loss = (-(lp * valid).sum(1) / valid.sum(1).clamp_min(1)).mean()  # per-sample, then batch mean
         return loss, {"loss_bc": float(loss.detach())}

@@ -41,6 +41,11 @@ class PolicyConfig:
     are computed before any attention"""
     state_hidden: int = 0
     """hidden width of the state encoder MLP (0: d_model)"""
+    state_ignore: tuple[int, ...] = ()
+    """indices of state entries the policy does not read (train: ``--ignore-state`` names them).
+    Joint velocities let a policy copy its previous motion instead of reading the scene (the
+    copycat problem of behaviour cloning, Wen et al. 2020): on the kitchen suite the first step,
+    from rest, went the wrong way 40% of the time and the policy then kept going"""
     lang_norm: bool = False
     """centre the instruction features on the training instructions' mean and scale them to unit
     RMS (statistics in the checkpoint). MiniLM sentence features of one suite share most of their
@@ -50,6 +55,10 @@ class PolicyConfig:
     """Euler steps when sampling a flow chunk"""
     n_bins: int = 256
     """AR: bins per action dimension"""
+    bin_sigma: float = 0.0
+    """AR: train on Gaussian-smoothed bin targets with this std in bins (0: one-hot). Neighbouring
+    bins are near actions; one-hot cross-entropy treats them as unrelated classes, so each bin
+    learns only from its own samples (HL-Gauss, Farebrother et al. 2024, use 0.75 bin widths)"""
     instruction_dropout: float = 0.0
     """probability of replacing the instruction by the empty condition (enables CFG)"""
     cfg_scale: float = 1.0
@@ -70,9 +79,16 @@ class PolicyConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         self.cameras = tuple(self.cameras)
+        self.state_ignore = tuple(sorted({int(i) for i in self.state_ignore}))
+        if self.state_ignore and not (0 <= self.state_ignore[0] and self.state_ignore[-1] < self.state_dim
+                                      and len(self.state_ignore) < self.state_dim):
+            raise ValueError(f"state_ignore {list(self.state_ignore)} must name some, not all, of the "
+                             f"{self.state_dim} state entries")
         if self.fusion not in ("late", "early"):
             raise ValueError(f"fusion must be 'late' or 'early', got {self.fusion!r}")
         self.state_hidden = self.state_hidden or self.d_model
+        if self.n_bins < 2 or self.bin_sigma < 0:
+            raise ValueError(f"need n_bins >= 2 and bin_sigma >= 0, got {self.n_bins}, {self.bin_sigma}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -85,4 +101,5 @@ class PolicyConfig:
             raise ValueError(f"unknown policy config fields {sorted(unknown)}")
         d = dict(d)
         d["cameras"] = tuple(d.get("cameras", ()))
+        d["state_ignore"] = tuple(d.get("state_ignore", ()))
         return cls(**d)

@@ -28,7 +28,7 @@ class MLPPolicy(VLAModel):
         self.layers = nn.ModuleList()
         self.state_proj = self.lang_proj = self.final_norm = None
         width = c.state_hidden
-        self.net = nn.Sequential(nn.Linear(c.state_dim + c.lang_dim, width), nn.GELU(),
+        self.net = nn.Sequential(nn.Linear(len(self.state_keep) + c.lang_dim, width), nn.GELU(),
                                  nn.Linear(width, width), nn.GELU(),
                                  nn.Linear(width, c.horizon * c.action_dim))
 
@@ -40,7 +40,7 @@ class MLPPolicy(VLAModel):
         instr = [instr] * state.shape[0] if isinstance(instr, str) else list(instr)
         feats, mask = self.lang(instr)
         feats = self.normalizer.language(feats.to(self.device))
-        return torch.cat([self.normalizer.state(state), self._pooled(feats, mask.to(self.device), None)], -1)
+        return torch.cat([self.state_input(state), self._pooled(feats, mask.to(self.device), None)], -1)
 
     def loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         x1 = self.normalizer.action(torch.as_tensor(batch["action"], dtype=torch.float32, device=self.device))

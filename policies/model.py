@@ -71,7 +71,9 @@ class VLAModel(nn.Module):
         self.lang = LanguageEncoder(c.lang_tokens, c.max_lang_tokens)
         self.lang_proj = nn.Linear(c.lang_dim, d)
         self.null_lang = nn.Parameter(torch.zeros(1, 1, d))  # the "no instruction" condition
-        state_in = c.state_dim + (c.lang_dim if c.fusion == "early" else 0)
+        keep = [i for i in range(c.state_dim) if i not in set(c.state_ignore)]
+        self.register_buffer("state_keep", torch.tensor(keep, dtype=torch.long), persistent=False)
+        state_in = len(keep) + (c.lang_dim if c.fusion == "early" else 0)
         self.state_proj = nn.Sequential(nn.Linear(state_in, c.state_hidden), nn.GELU(), nn.Linear(c.state_hidden, d))
         self.vision = ImageEncoder(d, c.cameras) if c.cameras else None
         self.type_emb = nn.Parameter(torch.randn(4, d) * 0.02)  # lang, image, state, action
@@ -124,13 +126,18 @@ class VLAModel(nn.Module):
             itok = self.vision(imgs) + self.type_emb[1]
             toks.append(itok)
             masks.append(torch.zeros(B, itok.shape[1], dtype=torch.bool, device=dev))
-        s_in = self.normalizer.state(state)
+        s_in = self.state_input(state)
         if self.config.fusion == "early":
             s_in = torch.cat([s_in, self._pooled(feats, lmask, drop_lang)], -1)
         stok = self.state_proj(s_in)[:, None] + self.type_emb[2]
         toks.append(stok)
         masks.append(torch.zeros(B, 1, dtype=torch.bool, device=dev))
         return torch.cat(toks, 1), torch.cat(masks, 1)
+
+    def state_input(self, state: torch.Tensor) -> torch.Tensor:
+        """The normalized state entries the policy reads (all but ``config.state_ignore``)."""
+        s = self.normalizer.state(state)
+        return s if len(self.state_keep) == s.shape[-1] else s[..., self.state_keep]
 
     def action_cond(self, prefix: torch.Tensor) -> torch.Tensor | float:
         """What every action token adds to its input: with early fusion the fused state-instruction

@@ -281,3 +281,42 @@ def test_image_conditioned_training_end_to_end(tmp_path):
     with pytest.raises(Exception, match="cameras"):
         train(TrainArgs(data=(path,), steps=2, cameras=("hand_camera",), out=tmp_path / "bad", wandb="disabled",
                         progress=False))
+
+
+def test_ignored_state_slices_are_not_read(tmp_path, push_data):
+    """--ignore-state names slices of the env's state layout (recorded by collect); the policy then
+    gives the same chunk whatever those entries hold, and still reads the rest."""
+    from dataset import Dataset
+    from envs.errors import InvalidOptionError
+    layout = Dataset(push_data).meta["state_layout"]
+    assert [n for n, _ in layout][:2] == ["agent/qpos", "agent/qvel"]
+    out = tmp_path / "novel"
+    train(TrainArgs(data=(push_data,), steps=30, batch_size=16, out=out, wandb="disabled", progress=False,
+                    ignore_state=("*qvel",)))
+    p = policies.load(out / "ckpt")
+    nq = layout[0][1]
+    assert p.config.state_ignore == tuple(range(nq, nq + layout[1][1]))
+    state = Dataset(push_data).episode(0).state[5]
+    changed_vel, changed_pos = state.copy(), state.copy()
+    changed_vel[nq] += 5.0
+    changed_pos[0] += 0.5
+    noise = torch.randn(1, p.config.horizon, p.config.action_dim)
+
+    def chunk(s):
+        with torch.no_grad():
+            return p.sample_chunks({"state": s[None], "instruction": "push the cube to the goal"}, noise=noise)
+    assert torch.equal(chunk(state), chunk(changed_vel))
+    assert not torch.allclose(chunk(state), chunk(changed_pos))
+    with pytest.raises(InvalidOptionError, match="match no slice.*agent/qvel"):
+        train(TrainArgs(data=(push_data,), steps=2, out=tmp_path / "typo", wandb="disabled", progress=False,
+                        ignore_state=("*velocity",)))
+
+
+def test_ar_smoothed_bin_targets_are_gaussians_on_the_bins():
+    p = _tiny("ar", n_bins=16, bin_sigma=0.75)
+    q = p.soft_targets(torch.tensor([[0, 7, 15]]))
+    assert torch.allclose(q.sum(-1), torch.ones(1, 3))
+    assert q[0, 1].argmax() == 7 and torch.allclose(q[0, 1, 6], q[0, 1, 8])  # symmetric around its bin
+    assert q[0, 0, 0] > 0.5 and q[0, 2, 15] > 0.5  # the mass beyond the range is spread back over the bins
+    with pytest.raises(ValueError, match="bin_sigma"):
+        PolicyConfig(kind="ar", state_dim=3, action_dim=2, bin_sigma=-1)

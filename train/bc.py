@@ -27,6 +27,8 @@ import tyro
 from tqdm import tqdm
 
 import policies
+from envs import make as make_env
+from envs import state_indices
 from envs.errors import CheckpointError, GroundflowError
 from policies import PolicyConfig, make_policy
 from policies.model import check_vocabulary
@@ -67,6 +69,9 @@ class TrainArgs:
     instruction (see PolicyConfig.fusion)"""
     state_hidden: int = 0
     """hidden width of the state encoder (0: d_model)"""
+    ignore_state: tuple[str, ...] = ()
+    """state slices the policy does not read, by name in the env's state layout (shell patterns,
+    e.g. '*vel' '*_acc': joint velocities invite copying the previous motion; see PolicyConfig.state_ignore)"""
     lang_norm: bool = _MODEL.lang_norm
     """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
     steps: int = 2000
@@ -78,6 +83,10 @@ class TrainArgs:
     ema: float = 0.995
     """EMA decay of the weights used for evaluation and checkpoints (0: off)"""
     grad_clip: float = 1.0
+    n_bins: int = _MODEL.n_bins
+    """AR: bins per action dimension"""
+    bin_sigma: float = _MODEL.bin_sigma
+    """AR: std (in bins) of the Gaussian-smoothed bin targets (0: one-hot; see PolicyConfig.bin_sigma)"""
     instruction_dropout: float = _MODEL.instruction_dropout
     """probability of training on the empty instruction (enables CFG at sampling)"""
     cfg_scale: float = _MODEL.cfg_scale
@@ -104,7 +113,7 @@ class TrainArgs:
 
 
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "fusion", "state_hidden",
-                "lang_norm", "instruction_dropout", "seed")
+                "lang_norm", "ignore_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
 def _dist() -> tuple[int, int]:
@@ -140,6 +149,20 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
+def _state_ignore(patterns: tuple[str, ...], data: ChunkData) -> list[int]:
+    """State indices named by ``--ignore-state`` patterns, in the layout the dataset recorded (or,
+    for datasets collected before layouts were recorded, the layout of a fresh env)."""
+    if not patterns:
+        return []
+    layout = data.state_layout
+    if layout is None and data.env_id:
+        layout = make_env(data.env_id).unwrapped.state_layout
+    idx = state_indices(layout, tuple(patterns), data.env_id or "")
+    if len(idx) >= data.state_dim:
+        raise ValueError(f"--ignore-state {list(patterns)} hides the whole state")
+    return idx
+
+
 def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
     """A new policy fitted to the data's statistics, or the ``--init-from`` checkpoint (continuation)."""
     if args.init_from:
@@ -157,7 +180,8 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
                            horizon=args.horizon, n_exec=args.n_exec, size=args.size, cameras=tuple(args.cameras),
                            image_size=args.image_size, fusion=args.fusion, state_hidden=args.state_hidden,
                            lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
-                           cfg_scale=args.cfg_scale)
+                           cfg_scale=args.cfg_scale, n_bins=args.n_bins, bin_sigma=args.bin_sigma,
+                           state_ignore=tuple(_state_ignore(args.ignore_state, data)))
         policy = make_policy(cfg)
         policy.fit_normalizer(data.state, data.action, data.instructions)
     policy.config.cfg_scale = args.cfg_scale

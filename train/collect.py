@@ -85,6 +85,7 @@ def collect(args: CollectArgs) -> dict[str, Any]:
     if args.dart_noise < 0:
         raise InvalidOptionError(f"--dart-noise must be >= 0, got {args.dart_noise}")
     meta["dart_noise"] = args.dart_noise
+    meta["state_layout"] = env.unwrapped.state_layout
     dart_rng = np.random.default_rng(args.seed + 7919)
     low, high = env.action_space.low, env.action_space.high
     attempts_max = args.max_attempts or 3 * args.episodes

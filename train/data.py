@@ -25,6 +25,7 @@ class ChunkData:
         images: dict[str, list[np.ndarray]] = {c: [] for c in self.cameras}
         self.env_id = None
         self.state_dim = self.action_dim = None
+        self.state_layout: list | None = None  # (name, size) slices, where the collecting env named them
         offset, e = 0, 0
         for path in paths:
             with Dataset(path) as ds:
@@ -33,6 +34,7 @@ class ChunkData:
                     raise DatasetError(f"{path} has cameras {list(ds.cameras)}, the policy needs {missing}")
                 if self.state_dim is None:
                     self.env_id, self.state_dim, self.action_dim = ds.env_id, ds.state_dim, ds.action_dim
+                    self.state_layout = ds.meta.get("state_layout")
                 elif (ds.state_dim, ds.action_dim) != (self.state_dim, self.action_dim):
                     raise DatasetError(f"{path}: state/action dims {(ds.state_dim, ds.action_dim)} differ from "
                                        f"{(self.state_dim, self.action_dim)} of the first dataset")

@@ -14,10 +14,12 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         "single-task default: 16-step chunks, 8 executed, late fusion (PushCube 0.92, Adroit door 0.98)",
         {}),
     "multitask": (
-        "multi-instruction suites: the state encoder reads the centred instruction feature (early "
-        "fusion + lang_norm) and the policy acts every step (H=1); 24k steps of 256 samples (tabletop: 0.70 at 12k, 0.93 at 24k)",
-        {"fusion": "early", "lang_norm": True, "state_hidden": 256, "horizon": 1, "n_exec": 1,
-         "batch_size": 256, "lr": 1e-3, "steps": 24000}),
+        "multi-instruction suites: the policy does not read joint velocities (it would copy its previous "
+        "motion instead of reading the scene), the state encoder reads the centred instruction feature "
+        "(early fusion + lang_norm) and the policy acts every step (H=1); 24k steps of 256 samples "
+        "(benchmarks/grounding.py)",
+        {"ignore_state": ("*vel", "*_acc"), "fusion": "early", "lang_norm": True, "state_hidden": 256,
+         "horizon": 1, "n_exec": 1, "batch_size": 256, "lr": 1e-3, "steps": 24000}),
 }
 
 
