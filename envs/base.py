@@ -36,17 +36,16 @@ def check_action(action: Any, shape: tuple[int, ...], low: np.ndarray | None = N
 
 def state_indices(layout: list[tuple[str, int]] | None, patterns: tuple[str, ...], env_id: str = "") -> list[int]:
     """Indices of the flat state covered by the slices whose names match any of ``patterns``
-    (shell-style, e.g. ``*vel``). Every pattern must match a slice: a typo would otherwise
-    silently leave the policy reading what the user meant to hide."""
+    (shell-style, e.g. ``*vel``). The patterns must match at least one slice between them (one
+    recipe serves envs that name their slices differently; a typo that hides nothing is an error)."""
     if not patterns:
         return []
     if not layout:
         raise InvalidOptionError(f"{env_id or 'this env'} does not name the slices of its state, so state "
                                  f"patterns {list(patterns)} cannot be resolved")
     names = [n for n, _ in layout]
-    unmatched = [p for p in patterns if not fnmatch.filter(names, p)]
-    if unmatched:
-        raise InvalidOptionError(f"state pattern(s) {unmatched} match no slice of {env_id or 'the'} state; "
+    if not any(fnmatch.filter(names, p) for p in patterns):
+        raise InvalidOptionError(f"state pattern(s) {list(patterns)} match no slice of {env_id or 'the'} state; "
                                  f"its slices: {names}")
     out, start = [], 0
     for name, size in layout:
