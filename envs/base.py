@@ -42,7 +42,8 @@ def state_indices(layout: list[tuple[str, int]] | None, patterns: tuple[str, ...
         return []
     if not layout:
         raise InvalidOptionError(f"{env_id or 'this env'} does not name the slices of its state, so state "
-                                 f"patterns {list(patterns)} cannot be resolved")
+                                 f"patterns {list(patterns)} cannot be resolved (`--ignore-state` with no "
+                                 "pattern reads the whole state)")
     names = [n for n, _ in layout]
     if not any(fnmatch.filter(names, p) for p in patterns):
         raise InvalidOptionError(f"state pattern(s) {list(patterns)} match no slice of {env_id or 'the'} state; "
