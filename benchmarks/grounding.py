@@ -62,7 +62,7 @@ METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "
 
 @dataclass
 class Args:
-    part: Literal["competence", "ablation", "protocols"] = "competence"
+    part: Literal["competence", "ablation", "protocols", "copycat"] = "competence"
     suites: tuple[str, ...] = ("tabletop",)
     families: tuple[str, ...] = ("flow", "ar", "mlp")
     methods: tuple[str, ...] = METHODS
@@ -92,6 +92,8 @@ class Args:
     runs: Path = ROOT / "runs" / "grounding"
     results: str = "grounding"
     """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
+    checkpoints: tuple[str, ...] = ()
+    """copycat part: NAME=RUN_DIR pairs (each the run of one suite in --suites)"""
     merge: tuple[str, ...] = ()
     """only merge these result stems into --results (and rewrite its table and plot); STEM:SECTION files
     the stem's competence rows under SECTION (e.g. runs at another budget)"""
@@ -181,6 +183,46 @@ def ablation(a: Args, res: dict[str, Any]) -> None:
         row.update(train_minutes=s.get("train_minutes"), steps=s["steps"], final_loss=s["final_loss"], overrides=kw)
         res.setdefault("ablation", {})[name] = row
         print(f"[ablation] {name}: {row['success']:.2f}", flush=True)
+        _save(a, res)
+
+
+def copycat(a: Args, res: dict[str, Any]) -> None:
+    """The copycat signature (a policy that copies its previous motion from the joint velocities
+    instead of reading the scene): on demo states, how often the policy's action points against
+    the expert's (a dimension where the expert commands |a| > 0.3 in normalized units) where the
+    previous motion says nothing or the wrong thing (the first step, from rest; turns, where the
+    expert's action changes by more than 0.5 in some dimension) against the other steps."""
+    import numpy as np
+    from dataset import Dataset
+    if len(a.suites) != 1:
+        raise SystemExit("--part copycat takes one suite")
+    suite = a.suites[0]
+    with Dataset(_demos(suite, DEMOS[suite])) as ds:
+        eps = [ds.episode(i, images=False) for i in range(0, len(ds), max(1, len(ds) // 120))]
+    for item in a.checkpoints:
+        name, _, run = item.partition("=")
+        pol = policies.load(Path(run) / "ckpt")
+        torch.manual_seed(0)
+        wrong: dict[str, list[np.ndarray]] = {"first": [], "turns": [], "steady": []}
+        for ep in eps:
+            with torch.no_grad():
+                pred = pol.sample_chunks({"state": ep.state, "instruction": [ep.instruction] * len(ep)})[:, 0]
+                want = pol.normalizer.action(torch.as_tensor(ep.action))
+            against = ((torch.sign(pred) != torch.sign(want)) & (want.abs() > 0.3)).float().numpy()  # (T, A)
+            turn = np.r_[False, (want[1:] - want[:-1]).abs().amax(-1).numpy() > 0.5]
+            wrong["first"].append(against[:1])
+            wrong["turns"].append(against[1:][turn[1:]])
+            wrong["steady"].append(against[1:][~turn[1:]])
+        row: dict[str, Any] = {}
+        for k, v in wrong.items():
+            m = np.concatenate(v)
+            row[k] = float(m.any(-1).mean())  # any dimension against the expert
+            row[f"{k}_per_dim"] = [round(float(x), 3) for x in m.mean(0)]
+        row.update(episodes=len(eps), state_ignore=list(pol.config.state_ignore), run=run)
+        res.setdefault("copycat", {}).setdefault(suite, {})[name] = row
+        row["turn_steps"] = int(sum(len(v) for v in wrong["turns"]))
+        print(f"[copycat] {suite} {name}: against the expert at the first step {row['first']:.2f}, "
+              f"at turns {row['turns']:.2f}, elsewhere {row['steady']:.2f}", flush=True)
         _save(a, res)
 
 
@@ -327,6 +369,17 @@ def _table(res: dict[str, Any]) -> str:
         lines += [md_table(["configuration", "success [95% CI]", "did another task", "final loss", "train min"], [
             [k, f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", f"{r['did_other_task']:.2f}",
              f"{r['final_loss']:.4f}", f"{(r.get('train_minutes') or 0):.1f}"] for k, r in abl.items()]), ""]
+    cc = res.get("copycat", {})
+    if cc:
+        lines += ["## Copycat signature: actions against the expert's on demo states", ""]
+        lines += ["Share of demo steps where some action dimension points against the expert's (|expert| > 0.3, "
+                  "normalized): the first step (from rest), turns (the expert's action changes by > 0.5 in a "
+                  "dimension) and the other steps; then the first step per action dimension.", ""]
+        lines += [md_table(["suite", "policy", "reads joint velocities", "first step", "turns", "other steps",
+                            "first step per dimension", "episodes (turn steps)"], [
+            [su, name, "no" if r["state_ignore"] else "yes", f"{r['first']:.2f}", f"{r['turns']:.2f}",
+             f"{r['steady']:.2f}", " ".join(f"{x:.2f}" for x in r["first_per_dim"]),
+             f"{r['episodes']} ({r['turn_steps']})"] for su, rows in cc.items() for name, r in rows.items()]), ""]
     agg = res.get("protocols", {})
     if agg:
         lines += ["## Protocols (random-layout tests; P2 trained with the layout naming the task at rho 0.9)", "",
@@ -393,7 +446,7 @@ def main() -> None:
                     _deep_update(res.setdefault(section if (section and key == "competence") else key, {}), part)
         _aggregate(res)
         return _save(a, res)
-    {"competence": competence, "ablation": ablation, "protocols": protocols}[a.part](a, res)
+    {"competence": competence, "ablation": ablation, "protocols": protocols, "copycat": copycat}[a.part](a, res)
 
 
 if __name__ == "__main__":

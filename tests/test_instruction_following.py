@@ -90,4 +90,7 @@ def test_recipe_sets_defaults_and_flags_override(two_picks, tmp_path):
     cfg = meta["config"]
     assert (cfg["fusion"], cfg["lang_norm"], cfg["state_hidden"], cfg["n_exec"]) == ("early", True, 256, 1)
     assert cfg["horizon"] == 2 and meta["extra"]["train_args"]["recipe"] == "multitask"
+    from dataset import Dataset
+    layout = dict((n, k) for n, k in Dataset(two_picks).meta["state_layout"])
+    assert len(cfg["state_ignore"]) == layout["agent/qvel"]  # the recipe's policy reads no joint velocities
     assert main(["train", "--recipe", "fastest", "--data", str(two_picks), "--out", str(tmp_path / "x")]) == 1
