@@ -5,7 +5,9 @@ Competence: per suite x family (flow, ar, mlp) the ``multitask`` recipe (train/r
 random-layout demos of every instruction; success on fresh random layouts with a 95% Wilson CI,
 the commanded-vs-completed confusion matrix and the closed-loop learning curve. Ablation (tabletop
 flow): how the instruction meets the scene (late vs early fusion, centred language) and the chunk
-(H, n_exec), everything else the recipe's.
+(H, n_exec), everything else the recipe's. Copycat: how often checkpoints act against the expert
+on demo states at the first step (from rest), at turns and elsewhere (policies that read joint
+velocities copy their previous motion).
 
 Protocols (train/grounding_eval.py), on the recipe: P1 random layouts, P2 shortcut data (the
 layout names the task with probability rho in training; random-layout test), P3 swap, P4
@@ -17,6 +19,7 @@ partial run keeps what it measured; trained runs are reused from --runs.
     .venv/bin/python benchmarks/grounding.py --part competence --suites tabletop kitchen
     .venv/bin/python benchmarks/grounding.py --part ablation
     .venv/bin/python benchmarks/grounding.py --part protocols --suites tabletop --families flow
+    .venv/bin/python benchmarks/grounding.py --part copycat --suites kitchen --checkpoints NAME=RUN_DIR ...
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         "multi-instruction suites: the policy does not read joint velocities (it would copy its previous "
         "motion instead of reading the scene), the state encoder reads the centred instruction feature "
         "(early fusion + lang_norm) and the policy acts every step (H=1); 24k steps of 256 samples "
-        "(benchmarks/grounding.py)",
+        "(benchmarks/grounding.py: tabletop flow 0.97, AR 0.65; kitchen flow 1.00)",
         {"ignore_state": ("*vel", "*_acc"), "fusion": "early", "lang_norm": True, "state_hidden": 256,
          "horizon": 1, "n_exec": 1, "batch_size": 256, "lr": 1e-3, "steps": 24000,
          "bin_sigma": 1.0}),  # AR only: one-hot bins overfit (tabletop 0.75 at 6k -> 0.35 at 24k)
