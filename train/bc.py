@@ -195,7 +195,9 @@ def _resume(args: TrainArgs, args_json: dict, state_path: Path, device: torch.de
     if not state_path.is_file():
         raise FileNotFoundError(f"--resume: no {state_path}")
     saved = _load_train_state(state_path, device)
-    changed = {k for k in MODEL_FIELDS if saved["args"].get(k) != args_json.get(k)}
+    # a field missing from a run saved before it existed held its default
+    defaults = _jsonable(dataclasses.asdict(TrainArgs()))
+    changed = {k for k in MODEL_FIELDS if saved["args"].get(k, defaults.get(k)) != args_json.get(k)}
     if changed:
         raise ValueError(f"--resume with a changed config: {sorted(changed)} differ from the saved run")
     policy.load_state_dict(saved["model"])
