@@ -360,7 +360,7 @@ def _table(res: dict[str, Any]) -> str:
                 lines += [f"Per instruction, {suite} {fam}: " + ", ".join(
                     f"{k}: {v:.2f}" for k, v in sorted(r.get("per_instruction", {}).items())), ""]
     for sec in sorted(k for k in res if k.startswith("competence_")):
-        lines += [f"## {sec}: the same recipe at another budget", ""]
+        lines += [f"## {sec}: the recipe at another budget or with one setting changed", ""]
         lines += [md_table(["suite", "policy", "success [95% CI]", "episodes", "steps", "train min", "learning curve"], [
             [suite, fam, f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", r["episodes"], r.get("steps"),
              f"{r['train_minutes']:.1f}",
