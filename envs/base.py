@@ -8,9 +8,8 @@ the observation dict and exposes the simulator state (for datasets, replay and d
 
 from __future__ import annotations
 
-from typing import Any
-
 import fnmatch
+from typing import Any
 
 import gymnasium as gym
 import numpy as np

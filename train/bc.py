@@ -156,11 +156,10 @@ def _state_ignore(patterns: tuple[str, ...], data: ChunkData) -> list[int]:
         return []
     layout = data.state_layout
     if layout is None and data.env_id:
-        layout = make_env(data.env_id).unwrapped.state_layout
-    idx = state_indices(layout, tuple(patterns), data.env_id or "")
-    if len(idx) >= data.state_dim:
-        raise ValueError(f"--ignore-state {list(patterns)} hides the whole state")
-    return idx
+        env = make_env(data.env_id)
+        layout = env.unwrapped.state_layout
+        env.close()
+    return state_indices(layout, tuple(patterns), data.env_id or "")  # PolicyConfig refuses hiding it all
 
 
 def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
