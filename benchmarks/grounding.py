@@ -221,9 +221,9 @@ def copycat(a: Args, res: dict[str, Any]) -> None:
             m = np.concatenate(v)
             row[k] = float(m.any(-1).mean())  # any dimension against the expert
             row[f"{k}_per_dim"] = [round(float(x), 3) for x in m.mean(0)]
-        row.update(episodes=len(eps), state_ignore=list(pol.config.state_ignore), run=run)
+        row.update(episodes=len(eps), turn_steps=int(sum(len(v) for v in wrong["turns"])),
+                   state_ignore=list(pol.config.state_ignore), run=run)
         res.setdefault("copycat", {}).setdefault(suite, {})[name] = row
-        row["turn_steps"] = int(sum(len(v) for v in wrong["turns"]))
         print(f"[copycat] {suite} {name}: against the expert at the first step {row['first']:.2f}, "
               f"at turns {row['turns']:.2f}, elsewhere {row['steady']:.2f}", flush=True)
         _save(a, res)
