@@ -80,6 +80,10 @@ class Args:
     protocol_episodes: int = 24
     swap_seeds: int = 2
     rho: float = 0.9
+    """P2: probability that the training layout names the task (the issue asks for 0.5, 0.9, 1.0; one per run)"""
+    conditions: tuple[Literal["random", "shortcut"], ...] = ("random", "shortcut")
+    """what to train and test: random-layout training with P1/P3/P4/P5 tests, and/or the P2 shortcut data
+    (only for --p2-methods); "shortcut" alone adds another rho to existing runs without redoing the rest"""
     ablations: tuple[str, ...] = ()
     """ablation configurations to run (default: all of ABLATION; names up to the first space)"""
     p2_methods: tuple[str, ...] = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch")
@@ -235,12 +239,16 @@ def protocols(a: Args, res: dict[str, Any]) -> None:
     from train.relabel import RelabelArgs, relabel
     for suite in a.suites:
         data = _demos(suite, DEMOS[suite])
-        shortcut = _demos(suite, DEMOS[suite], layout="correlated", rho=a.rho) if a.p2_methods else None
+        shortcut = _demos(suite, DEMOS[suite], layout="correlated", rho=a.rho) \
+            if a.p2_methods and "shortcut" in a.conditions else None
         for fam in a.families:
             for method in a.methods:
                 for seed in a.seeds:
                     rows = {}
-                    conds = [("random", data)] + ([(f"rho{a.rho}", shortcut)] if method in a.p2_methods else [])
+                    conds = ([("random", data)] if "random" in a.conditions else []) + (
+                        [(f"rho{a.rho}", shortcut)] if shortcut is not None and method in a.p2_methods else [])
+                    if not conds:
+                        continue
                     for cond, d in conds:
                         ckpt = _method_ckpt(a, suite, fam, method, seed, cond, d, relabel, RelabelArgs)
                         if ckpt is None:
@@ -254,8 +262,8 @@ def protocols(a: Args, res: dict[str, Any]) -> None:
                             rows = {k: ev["summary"][k] for k in ev["summary"]}
                         else:
                             p2 = _p1(pol, suite, a.protocol_episodes, seed=60_000)
-                            rows["p2_success"] = {"rate": p2["success"], "ci95": p2["ci95"], "n": p2["episodes"]}
-                            rows["p2_did_other_task"] = p2["did_other_task"]
+                            rows[f"p2_rho{a.rho}_success"] = {"rate": p2["success"], "ci95": p2["ci95"], "n": p2["episodes"]}
+                            rows[f"p2_rho{a.rho}_did_other_task"] = p2["did_other_task"]
                     key = f"{method}_s{seed}"
                     res.setdefault("protocols_raw", {}).setdefault(suite, {}).setdefault(fam, {})[key] = rows
                     _aggregate(res)
@@ -310,13 +318,17 @@ def _aggregate(res: dict[str, Any]) -> None:
     the P1 success (random-layout training and test) of the same method, seed mean."""
     import numpy as np
     out: dict[str, Any] = {}
-    names = {"P1": "p1_success", "P2_rho0.9": "p2_success", "P3": "p3_swap", "P4": "p4_switch", "P5": "p5_paraphrase"}
+    names = {"P1": "p1_success", "P3": "p3_swap", "P4": "p4_switch", "P5": "p5_paraphrase"}
     for suite, fams in res.get("protocols_raw", {}).items():
         for fam, methods in fams.items():
             by_method: dict[str, dict[int, dict[str, Any]]] = {}
             for key, rows in methods.items():
                 m, seed = _method_seed(key)
+                if "p2_success" in rows:  # results written before P2 rows were keyed by rho (all rho 0.9)
+                    rows["p2_rho0.9_success"] = rows.pop("p2_success")
+                    rows["p2_rho0.9_did_other_task"] = rows.pop("p2_did_other_task", None)
                 by_method.setdefault(m, {})[seed] = rows
+                names.update({f"P2_rho{k[6:-8]}": k for k in rows if k.startswith("p2_rho") and k.endswith("_success")})
             for m, seeds in by_method.items():
                 p1 = [r["p1_success"]["rate"] for r in seeds.values() if "p1_success" in r]
                 for p, k in names.items():
@@ -385,10 +397,10 @@ def _table(res: dict[str, Any]) -> str:
              f"{r['episodes']} ({r['turn_steps']})"] for su, rows in cc.items() for name, r in rows.items()]), ""]
     agg = res.get("protocols", {})
     if agg:
-        lines += ["## Protocols (random-layout tests; P2 trained with the layout naming the task at rho 0.9)", "",
+        ps = ["P1"] + sorted((p for p in agg if p.startswith("P2_rho")), key=lambda p: float(p[6:])) + ["P3", "P4", "P5"]
+        lines += ["## Protocols (random-layout tests; P2 trained where the layout names the task with probability rho)", "",
                   "Mean over training seeds, ± the seed standard deviation, [95% Wilson CI of the pooled episodes];",
                   "P1 is also the in-distribution figure (random-layout training and test).", ""]
-        ps = ["P1", "P2_rho0.9", "P3", "P4", "P5"]
         rows = []
         combos = {(su, fa, m) for p in ps for su, fams in agg.get(p, {}).items() for fa, ms in fams.items() for m in ms}
         order = {m: i for i, m in enumerate(METHODS)}
@@ -403,8 +415,9 @@ def _table(res: dict[str, Any]) -> str:
                 sd = f" ±{r['seed_sd']:.2f}" if r.get("seed_sd") is not None else ""
                 cells.append(f"{r['success']:.2f}{sd} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]")
             rows.append([su, fa, m, "/".join(str(x) for x in sorted(seeds))] + cells)
-        lines += [md_table(["suite", "policy", "method", "seeds", "P1", "P2 (rho 0.9)", "P3 swap", "P4 switch",
-                            "P5 paraphrase"], rows), ""]
+        lines += [md_table(["suite", "policy", "method", "seeds"] + [
+            {"P3": "P3 swap", "P4": "P4 switch", "P5": "P5 paraphrase"}.get(p, p.replace("_rho", " (rho ") + (")" if "rho" in p else ""))
+            for p in ps], rows), ""]
     lines += [f"Machine: {res.get('machine')}", ""]
     return "\n".join(lines)
 
