@@ -62,8 +62,13 @@ class Args:
     cig_steps: int = 2000
     cont_lr: float = 3e-4
     perturbations: tuple[str, ...] = ("paraphrase", "layout", "robot_init", "sensor_noise")
+    tag: str = ""
+    """suffix of run folders and method names (another data set or recipe beside the default rows)"""
     runs: Path = ROOT / "runs" / "libero"
     results: str = "libero"
+    """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
+    merge: tuple[str, ...] = ()
+    """only merge the sections of these result stems into --results and rewrite its table"""
 
 
 def _load(a: Args) -> dict[str, Any]:
@@ -149,15 +154,15 @@ def _train(a: Args, out: Path, **kw: Any) -> Path:
 
 def _checkpoint(a: Args, method: str, data: tuple[Path, ...]) -> Path:
     from train.cig import CIGOptions
-    base = _train(a, a.runs / f"bc_s{a.seed}", data=data, seed=a.seed)
+    base = _train(a, a.runs / f"bc{a.tag}_s{a.seed}", data=data, seed=a.seed)
     if method == "bc":
         return base
     cont = dict(init_from=base, steps=a.cig_steps, warmup_steps=0, lr=a.cont_lr, data=data, seed=a.seed)
     if method == "bc_continuation":
-        return _train(a, a.runs / f"{method}_s{a.seed}", **cont)
+        return _train(a, a.runs / f"{method}{a.tag}_s{a.seed}", **cont)
     if method.startswith("cig_"):
         _, variant, _ = method.split("_")
-        return _train(a, a.runs / f"{method}_s{a.seed}", cig=CIGOptions(weight=1.0, variant=variant, negatives=3,
+        return _train(a, a.runs / f"{method}{a.tag}_s{a.seed}", cig=CIGOptions(weight=1.0, variant=variant, negatives=3,
                                                                          draws=2, batch=64), **cont)
     raise ValueError(f"unknown method {method!r}; known: bc, bc_continuation, cig_<variant>_continuation")
 
@@ -187,10 +192,11 @@ def policies(a: Args, res: dict[str, Any]) -> None:
         policy = pol_mod.load(_checkpoint(a, method, data))
         rows = _per_task(policy, a, env)
         avg = float(np.mean([r["success"] for r in rows.values()]))
-        res.setdefault("policies", {})[method] = {**{k: v["success"] for k, v in rows.items()}, "average": avg,
+        res.setdefault("policies", {})[method + a.tag] = {**{k: v["success"] for k, v in rows.items()}, "average": avg,
                                                   "episodes_per_task": a.episodes_per_task, "seed": a.seed,
+                                                  "data": " + ".join(p.name for p in data),
                                                   "detail": rows, "eval_seconds": time.time() - t0}
-        print(f"[policies] {method}: average {avg:.2f}", flush=True)
+        print(f"[policies] {method}{a.tag}: average {avg:.2f}", flush=True)
         _save(a, res)
     env.close()
 
@@ -205,16 +211,17 @@ def perturbations(a: Args, res: dict[str, Any]) -> None:
             env = envs.make(SUITE, layout="task")
             why = not_applicable(env, fam)
             if why:
-                res.setdefault("perturbations", {}).setdefault(method, {})[fam] = {"not_applicable": why}
+                res.setdefault("perturbations", {}).setdefault(method + a.tag, {})[fam] = {"not_applicable": why}
                 env.close()
                 continue
             penv = perturb(env, fam)
             rows = _per_task(policy, a, penv)
-            res.setdefault("perturbations", {}).setdefault(method, {})[fam] = {
+            res.setdefault("perturbations", {}).setdefault(method + a.tag, {})[fam] = {
                 "average": float(np.mean([r["success"] for r in rows.values()])),
                 "episodes_per_task": a.episodes_per_task, "per_task": {k: v["success"] for k, v in rows.items()}}
             penv.close()
-            print(f"[perturbations] {method} {fam}: {res['perturbations'][method][fam]['average']:.2f}", flush=True)
+            print(f"[perturbations] {method}{a.tag} {fam}: {res['perturbations'][method + a.tag][fam]['average']:.2f}",
+                  flush=True)
             _save(a, res)
 
 
@@ -226,14 +233,15 @@ def _table(res: dict[str, Any]) -> str:
         lines += [md_table(["task", "instruction", "success [95% CI]", "episodes", "mean steps"], [
             [k, r["instruction"], f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", r["episodes"],
              f"{r['mean_steps']:.0f}"] for k, r in sorted(ex.items(), key=lambda kv: int(kv[0].split("-")[1]))]), ""]
-        lines += [f"Average: {np.mean([r['success'] for r in ex.values()]):.2f} over {len(ex)} tasks", ""]
+        lines += [f"Average: {np.mean([r['success'] for r in ex.values()]):.3f} over {len(ex)} tasks", ""]
     po = res.get("policies", {})
     if po:
         tasks = sorted({k for r in po.values() for k in r if k.startswith("goal-")}, key=lambda k: int(k.split("-")[1]))
         lines += ["## Policies from state (flow, multitask recipe), per task on LIBERO's init states", ""]
-        lines += [md_table(["method", "average", "episodes/task"] + tasks, [
-            [m, f"{r['average']:.2f}", r["episodes_per_task"]] + [f"{r[t]:.2f}" for t in tasks]
-            for m, r in po.items()]), ""]
+        lines += [md_table(["method", "data", "average", "did another task", "episodes/task"] + tasks, [
+            [m, r.get("data", ""), f"{r['average']:.2f}",
+             f"{np.mean([d['did_other_task'] for d in r['detail'].values()]):.2f}", r["episodes_per_task"]]
+            + [f"{r[t]:.2f}" for t in tasks] for m, r in po.items()]), ""]
     pe = res.get("perturbations", {})
     if pe:
         fams = sorted({f for r in pe.values() for f in r})
@@ -251,6 +259,15 @@ def main() -> None:
     if bad:
         raise SystemExit(f"LIBERO-Goal has tasks 0..{N_TASKS - 1}; got {bad}")
     res = _load(a)
+    if a.merge:
+        for stem in a.merge:
+            path = RESULTS / f"{stem}.json"
+            if not path.exists():
+                raise SystemExit(f"no results file {path}")
+            for key, part in json.loads(path.read_text()).items():
+                if isinstance(part, dict) and key != "machine":
+                    res.setdefault(key, {}).update(part)
+        return _save(a, res)
     {"experts": experts, "policies": policies, "perturbations": perturbations}[a.part](a, res)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from envs.errors import InstructionError, InvalidOptionError
+from envs.geometry import rotvec
 from envs.robosuite_backend import (CONTROLLERS, RobosuiteEnv, check_cameras, check_positive_int,
                                     import_robosuite, make_robosuite_env)
 from envs.suite import Suite, Task, check_layout_rho
@@ -330,18 +331,6 @@ def make_kitchen_suite(env_id: str = "robosuite/KitchenSuite", layout: str = "ra
 
 
 # ----- privileged scripted expert ------------------------------------------------------------------
-def _rotvec(R: np.ndarray) -> np.ndarray:
-    """Axis-angle vector of rotation matrix ``R``."""
-    cos = np.clip((np.trace(R) - 1) / 2, -1.0, 1.0)
-    angle = np.arccos(cos)
-    if angle < 1e-8:
-        return np.zeros(3)
-    axis = np.array([R[2, 1] - R[1, 2], R[0, 2] - R[2, 0], R[1, 0] - R[0, 1]])
-    n = np.linalg.norm(axis)
-    if n < 1e-8:  # angle ~ pi: axis from the symmetric part
-        w, v = np.linalg.eigh((R + np.eye(3)) / 2)
-        return v[:, -1] * angle
-    return axis / n * angle
 
 
 class PickPlaceExpert:
@@ -436,7 +425,7 @@ class PickPlaceExpert:
         if p == "approach":
             target = obj + [0, 0, self.HOVER]
             target[2] = max(target[2], eef[2] - 0.05) if np.linalg.norm(eef[:2] - obj[:2]) > 0.05 else target[2]
-            rot_err = np.linalg.norm(_rotvec(self._target_rotation(R, obj_yaw) @ R.T))
+            rot_err = np.linalg.norm(rotvec(self._target_rotation(R, obj_yaw) @ R.T))
             if (np.linalg.norm(target[:2] - eef[:2]) < 0.01 and abs(target[2] - eef[2]) < 0.03
                     and rot_err < 0.08) or self.t > 80:
                 self._set("descend")
@@ -486,7 +475,7 @@ class PickPlaceExpert:
             target = np.array([eef[0], eef[1], self.CARRY_Z + 0.05])
         a = np.zeros(7, dtype=np.float32)
         a[:3] = np.clip(self.gain * (target - eef) / self.POS_SCALE, -1, 1)
-        a[3:6] = np.clip(_rotvec(self._target_rotation(R, obj_yaw) @ R.T) / self.ROT_SCALE, -1, 1)
+        a[3:6] = np.clip(rotvec(self._target_rotation(R, obj_yaw) @ R.T) / self.ROT_SCALE, -1, 1)
         a[6] = grip
         if self.noise > 0:
             a[:3] = np.clip(a[:3] + self.rng.normal(0.0, self.noise, 3), -1, 1)

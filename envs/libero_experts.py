@@ -19,23 +19,10 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from envs.errors import InvalidOptionError
+from envs.geometry import rotvec
 
 POS_SCALE, ROT_SCALE = 0.05, 0.5  # metres / radians per unit OSC_POSE action (robosuite defaults)
 OBJECTS = ("akita_black_bowl_1", "cream_cheese_1", "wine_bottle_1", "plate_1")
-
-
-def rotvec(R: np.ndarray) -> np.ndarray:
-    """Axis-angle vector of rotation matrix ``R``."""
-    cos = np.clip((np.trace(R) - 1) / 2, -1.0, 1.0)
-    angle = np.arccos(cos)
-    if angle < 1e-8:
-        return np.zeros(3)
-    axis = np.array([R[2, 1] - R[1, 2], R[0, 2] - R[2, 0], R[1, 0] - R[0, 1]])
-    n = np.linalg.norm(axis)
-    if n < 1e-8:  # angle ~ pi: axis from the symmetric part
-        _, v = np.linalg.eigh((R + np.eye(3)) / 2)
-        return v[:, -1] * angle
-    return axis / n * angle
 
 
 def top_down(yaw: float) -> np.ndarray:
@@ -84,6 +71,12 @@ class Scene:
 
     def holds(self, predicate: tuple) -> bool:
         return bool(self.rs._eval_predicate(list(predicate)))
+
+    def grip_toward(self, level: float) -> float:
+        """Gripper action that moves the Panda's incremental finger command (0.2 per step) to
+        ``level`` and then holds it (0): half-open approaches, a loosened grip."""
+        cur = float(self.gripper.current_action[-1])
+        return 0.0 if abs(level - cur) < 0.1 else float(np.sign(level - cur))
 
     def command(self, target: np.ndarray, R_target: np.ndarray | None, grip: float, gain: float = 1.5) -> np.ndarray:
         """OSC_POSE action toward position ``target`` and orientation ``R_target`` (None: keep)."""

@@ -12,7 +12,8 @@ from typing import Callable
 
 import numpy as np
 
-from envs.libero_experts import Scene, Skill, rotvec, top_down
+from envs.geometry import rotvec
+from envs.libero_experts import Scene, Skill, top_down
 
 CABINET = "wooden_cabinet_1"
 DRAWER_OPEN_Q = -0.155   # slide joint range [-0.16, 0.01]; LIBERO's Open needs qpos < -0.14
@@ -30,12 +31,6 @@ def _nearest_yaw(scene: Scene, yaw: float) -> float:
     f = scene.eef()[1][:, 0]
     cur = float(np.arctan2(f[1], f[0]))
     return yaw + np.pi * np.round((cur - yaw) / np.pi)
-
-
-def _grip_toward(scene: Scene, level: float) -> float:
-    """Gripper action that moves the Panda's incremental finger command (0.2 per step) to ``level``."""
-    cur = float(scene.gripper.current_action[-1])
-    return 0.0 if abs(level - cur) < 0.1 else float(np.sign(level - cur))
 
 
 class _Phases:
@@ -112,16 +107,16 @@ class OpenDrawer(_Phases):
             high = grasp + self.NEAR * self.out + [0.0, 0.0, self.HIGH]
             if self._reached(scene, high, 0.02, self.R_pull) or self.t > 60:
                 self._go("lower")
-            return scene.command(high, self.R_pull, _grip_toward(scene, self.APERTURE))
+            return scene.command(high, self.R_pull, scene.grip_toward(self.APERTURE))
         if self.phase == "lower":  # straight down just in front of the bar: the hand never sweeps the plate
             near = grasp + self.NEAR * self.out
             if self._reached(scene, near, 0.01) or self.t > 40:
                 self._go("reach")
-            return scene.command(near, self.R_pull, _grip_toward(scene, self.APERTURE))
+            return scene.command(near, self.R_pull, scene.grip_toward(self.APERTURE))
         if self.phase == "reach":
             if self._reached(scene, grasp, 0.008) or self.t > 30:
                 self._go("grip")
-            return scene.command(grasp, self.R_pull, _grip_toward(scene, self.APERTURE))
+            return scene.command(grasp, self.R_pull, scene.grip_toward(self.APERTURE))
         if self.phase == "grip":
             if self.t > 10:
                 self._go("pull")

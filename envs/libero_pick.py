@@ -14,7 +14,8 @@ from typing import Callable
 
 import numpy as np
 
-from envs.libero_experts import Scene, Skill, rotvec, top_down
+from envs.geometry import rotvec
+from envs.libero_experts import Scene, Skill, top_down
 from envs.libero_fixtures import OpenDrawer
 
 BOWL, CHEESE, BOTTLE, PLATE = "akita_black_bowl_1", "cream_cheese_1", "wine_bottle_1", "plate_1"
@@ -35,12 +36,6 @@ RACK_LEAN = np.radians(52)  # gripper tilt setting the bottle down (more folds t
 def _yaw(R: np.ndarray) -> float:
     """Yaw of the finger axis (the gripper's x axis)."""
     return float(np.arctan2(R[1, 0], R[0, 0]))
-
-
-def _grip_toward(scene: Scene, level: float) -> float:
-    """Gripper action that moves the Panda's incremental finger command (0.2 per step) to ``level``."""
-    cur = float(scene.gripper.current_action[-1])
-    return 0.0 if abs(level - cur) < 0.1 else float(np.sign(level - cur))
 
 
 def _rot(axis: int, a: float) -> np.ndarray:
@@ -293,7 +288,7 @@ class PickPlace:
         self.last = eef
         if np.linalg.norm(release - eef) < 0.01 or stalled or self.t > 40:
             self._set("release")
-        return scene.command(release, Rt, _grip_toward(scene, self.place.grip), self.GAIN)
+        return scene.command(release, Rt, scene.grip_toward(self.place.grip), self.GAIN)
 
 
 def _site(name: str, dz: float = 0.0) -> Callable[[Scene], np.ndarray]:
