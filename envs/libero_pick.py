@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from envs.geometry import rotvec
-from envs.libero_experts import Scene, Skill, top_down
+from envs.libero_scene import Scene, Skill, top_down
 from envs.libero_fixtures import OpenDrawer
 
 BOWL, CHEESE, BOTTLE, PLATE = "akita_black_bowl_1", "cream_cheese_1", "wine_bottle_1", "plate_1"
