@@ -35,7 +35,8 @@ class CollectArgs:
     """cameras to record (empty: state only)"""
     image_size: int = 128
     layout: str | None = None
-    """suites: random (instruction independent of layout) or correlated (layout predicts the task)"""
+    """suites: random (instruction independent of layout) or correlated (layout predicts the task);
+    LIBERO: task (LIBERO's init states: its evaluation set), random, or sampled (fresh placements, for demos)"""
     layout_rho: float | None = None
     """suites with --layout correlated: probability that an episode's layout names its task (the
     other episodes get the seed's random layout); default 1"""
