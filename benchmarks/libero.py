@@ -213,6 +213,8 @@ def perturbations(a: Args, res: dict[str, Any]) -> None:
             if why:
                 res.setdefault("perturbations", {}).setdefault(method + a.tag, {})[fam] = {"not_applicable": why}
                 env.close()
+                print(f"[perturbations] {method}{a.tag} {fam}: not applicable ({why})", flush=True)
+                _save(a, res)
                 continue
             penv = perturb(env, fam)
             rows = _per_task(policy, a, penv)
