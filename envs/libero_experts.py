@@ -22,7 +22,7 @@ from envs.errors import InvalidOptionError
 from envs.geometry import rotvec
 from envs.libero_fixtures import FIXTURE_TASKS
 from envs.libero_pick import PICK_TASKS
-from envs.libero_scene import HOME, Release, Scene, Skill, top_down
+from envs.libero_scene import HOME, HOME_R, Release, Scene, Skill
 
 
 def _task_skills() -> dict[int, Callable[[], list[Skill]]]:
@@ -52,7 +52,7 @@ class LiberoGoalExpert:
         held = self.scene.held()
         kept = held is not None and getattr(self.skills[0], "keeps", lambda n: False)(held)
         eef, R = self.scene.eef()
-        away = np.linalg.norm(eef - HOME) > 0.05 or np.linalg.norm(rotvec(top_down(np.pi / 2) @ R.T)) > 0.3
+        away = np.linalg.norm(eef - HOME) > 0.05 or np.linalg.norm(rotvec(HOME_R @ R.T)) > 0.3
         if not kept and away:
             self.skills.insert(0, Release())
         self.skills[0].start(self.scene)

@@ -13,13 +13,12 @@ from typing import Callable
 import numpy as np
 
 from envs.geometry import rotvec
-from envs.libero_scene import Scene, Skill, top_down
+from envs.libero_scene import HOME_R, Scene, Skill, top_down
 
 CABINET = "wooden_cabinet_1"
 DRAWER_OPEN_Q = -0.155   # slide joint range [-0.16, 0.01]; LIBERO's Open needs qpos < -0.14
 KNOB = "flat_stove_1_button"
 KNOB_ON_Q = 0.9          # hinge range [-0.005, 2.1]; LIBERO's TurnOn needs qpos >= 0.5
-HOME_YAW = np.pi / 2     # the Panda's rest finger axis (world +y)
 
 
 def _rot_err(scene: Scene, R_target: np.ndarray) -> float:
@@ -86,7 +85,6 @@ class OpenDrawer(_Phases):
         x = np.array([0.0, 0.0, -1.0])   # finger axis vertical
         z = -self.out                    # pointing into the drawer front
         self.R_pull = np.stack([x, np.cross(z, x), z], axis=1)
-        self.R_home = top_down(HOME_YAW)
         near = np.linalg.norm(scene.eef()[0] - self._grasp_point(scene)) < 0.06
         if self.is_open(scene):
             self._go("release" if near else "done")
@@ -137,9 +135,9 @@ class OpenDrawer(_Phases):
             return scene.command(front, None, -1.0)
         if self.phase == "up":
             above = front + self.UP  # up and back toward the robot: straight up stretches the arm to its reach
-            if self._reached(scene, above, 0.03, self.R_home, 0.25) or self.t > 30:
+            if self._reached(scene, above, 0.03, HOME_R, 0.25) or self.t > 30:
                 self._go("done" if self.is_open(scene) else "pre")  # a failed pull tries again
-            return scene.command(above, self.R_home, -1.0)
+            return scene.command(above, HOME_R, -1.0)
         return None
 
 

@@ -92,6 +92,7 @@ class Skill(Protocol):
 
 HOME = np.array([-0.21, 0.0, 1.15])  # where the gripper starts every LIBERO-Goal episode (pointing down,
                                      # fingers along y), clear of the scene
+HOME_R = top_down(np.pi / 2)  # its orientation: pointing down, fingers along world y
 
 
 class Release:
@@ -115,10 +116,9 @@ class Release:
         if self.t <= 26 and np.linalg.norm(eef - self.back) > 0.015:
             return scene.command(self.back, None, -1.0)
         self.t = max(self.t, 27)
-        R_home = top_down(np.pi / 2)
-        turned = np.linalg.norm(rotvec(R_home @ scene.eef()[1].T)) < 0.1
+        turned = np.linalg.norm(rotvec(HOME_R @ scene.eef()[1].T)) < 0.1
         if (np.linalg.norm(eef - HOME) < 0.03 and turned) or self.t > 100:
             return None
         if eef[2] < HOME[2] - 0.04:  # rise first, keeping the orientation (the hand may be in a drawer)
             return scene.command(np.array([eef[0], eef[1], HOME[2]]), None, -1.0)
-        return scene.command(HOME, R_home, -1.0)
+        return scene.command(HOME, HOME_R, -1.0)
