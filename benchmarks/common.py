@@ -24,7 +24,8 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 def demos(env_id: str, episodes: int, seed: int = 0, **kw: Any) -> Path:
     """Collect expert demos once and reuse them (keyed by env, count, seed and options)."""
     from train.collect import CollectArgs, collect
-    tag = "_".join(f"{k}-{v}" for k, v in sorted(kw.items()) if not isinstance(v, dict))
+    tag = "_".join(f"{k}-{'+'.join(map(str, v)) if isinstance(v, (tuple, list)) else v}"
+                   for k, v in sorted(kw.items()) if not isinstance(v, dict))
     path = DATA / f"{env_id.replace('/', '_')}_{episodes}_s{seed}{'_' + tag if tag else ''}.h5"
     if not path.exists():
         collect(CollectArgs(env=env_id, episodes=episodes, out=path, seed=seed, progress=False, **kw))

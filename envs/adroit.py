@@ -52,6 +52,9 @@ class AdroitTask:
     get_params: Callable[[Any], np.ndarray]
     set_params: Callable[[Any, np.ndarray], None]
     n_params: int
+    # names of the observation's slices (GroundflowEnv.state_layout), where written down: an image
+    # policy hides the object slices (``--ignore-state 'door/*'``) and reads the scene from pixels
+    layout: tuple[tuple[str, int], ...] | None = None
 
 
 def _set_door(u: Any, x: np.ndarray) -> None:
@@ -74,7 +77,9 @@ def _set_relocate(u: Any, x: np.ndarray) -> None:
 
 TASKS: dict[str, AdroitTask] = {
     "door": AdroitTask("door", "adroit_door", "AdroitHandDoorEnv", "open the door", 39, 28,
-                       lambda u: u.model.body_pos[u.door_body_id].copy(), _set_door, 3),
+                       lambda u: u.model.body_pos[u.door_body_id].copy(), _set_door, 3,
+                       (("hand/qpos", 27), ("door/latch", 1), ("door/hinge", 1), ("hand/palm_pos", 3),
+                        ("door/handle_pos", 3), ("door/palm_to_handle", 3), ("door/open", 1))),
     "hammer": AdroitTask("hammer", "adroit_hammer", "AdroitHandHammerEnv",
                          "hammer the nail into the board", 46, 26,
                          lambda u: u.model.body_pos[u.target_body_id].copy(), _set_hammer, 3),
@@ -136,6 +141,7 @@ class AdroitEnv(GroundflowEnv):
         if self._u.observation_space.shape != (task.state_dim,) or self._u.action_space.shape != (task.action_dim,):
             raise RuntimeError(f"{env_id}: gymnasium-robotics changed its spaces: obs "
                                f"{self._u.observation_space.shape}, action {self._u.action_space.shape}")
+        self.state_layout = list(task.layout) if task.layout else None
         self._renderer: mujoco.Renderer | None = None
         self._free_cam: mujoco.MjvCamera | None = None
         self._state_size = mujoco.mj_stateSize(model, _STATE_SPEC)

