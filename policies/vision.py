@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 BACKBONES = ("cnn", "efficientnet_lite0")
+POOLS = ("grid", "keypoints")
 LITE0_BLOCKS = 11  # MBConv blocks up to and including the 112-channel (stride 16) stage
 LITE0_CHANNELS = 112
 
@@ -77,46 +78,79 @@ class _Lite0Trunk(nn.Module):
         return x
 
 
+class SpatialSoftmax(nn.Module):
+    """Feature map -> the expected image coordinates of ``k`` learned keypoints (Levine et al. 2016;
+    robomimic's image policies): a position read out to sub-pixel precision, where average pooling
+    into a coarse grid leaves position to be encoded in the channels."""
+
+    def __init__(self, channels: int, k: int):
+        super().__init__()
+        self.proj = nn.Conv2d(channels, k, 1)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        """(B, C, h, w) -> (B, k, 2) coordinates in [-1, 1]."""
+        m = self.proj(f)
+        B, k, h, w = m.shape
+        p = m.flatten(2).softmax(-1).view(B, k, h, w)
+        ys = torch.linspace(-1, 1, h, device=f.device)
+        xs = torch.linspace(-1, 1, w, device=f.device)
+        return torch.stack([(p.sum(2) * xs).sum(-1), (p.sum(3) * ys).sum(-1)], -1)
+
+
 class ImageEncoder(nn.Module):
     def __init__(self, d_model: int, cameras: tuple[str, ...], grid: int = 4, backbone: str = "cnn",
-                 frozen: bool = False, shift: int = 0):
+                 frozen: bool = False, shift: int = 0, pool: str = "grid", keypoints: int = 32):
         super().__init__()
         if backbone not in BACKBONES:
             raise ValueError(f"unknown vision backbone {backbone!r}; valid: {list(BACKBONES)}")
+        if pool not in POOLS:
+            raise ValueError(f"unknown image pooling {pool!r}; valid: {list(POOLS)}")
         self.cameras, self.backbone, self.frozen, self.shift = cameras, backbone, bool(frozen), int(shift)
+        self.pool = pool
         if backbone == "cnn":
             c = max(16, d_model // 4)
-            self.net = nn.Sequential(
+            # keypoints: the last conv keeps stride 1, so the map is twice as fine (16x16 at 64 px)
+            self.trunk = nn.Sequential(
                 nn.Conv2d(3, c, 5, stride=2, padding=2), nn.GELU(),
                 nn.Conv2d(c, 2 * c, 3, stride=2, padding=1), nn.GELU(),
-                nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1), nn.GELU(),
-                nn.AdaptiveAvgPool2d(grid), nn.Conv2d(2 * c, d_model, 1))
+                nn.Conv2d(2 * c, 2 * c, 3, stride=2 if pool == "grid" else 1, padding=1), nn.GELU())
+            channels = 2 * c
         else:
             self.trunk = _lite0_trunk()
             if self.frozen:
                 for p in self.trunk.parameters():
                     p.requires_grad_(False)
-            self.net = nn.Sequential(nn.AdaptiveAvgPool2d(grid), nn.Conv2d(LITE0_CHANNELS, d_model, 1))
+            channels = LITE0_CHANNELS
+        n_tok = grid * grid
+        if pool == "grid":
+            self.net = nn.Sequential(nn.AdaptiveAvgPool2d(grid), nn.Conv2d(channels, d_model, 1))
+        else:
+            self.keypoints = SpatialSoftmax(channels, keypoints)
+            # the 2k coordinates and the pooled appearance (colour, what is there) become n_tok tokens
+            self.net = nn.Sequential(nn.Linear(2 * keypoints + channels, 4 * d_model), nn.GELU(),
+                                     nn.Linear(4 * d_model, n_tok * d_model))
+        self.n_tok, self.d_model = n_tok, d_model
         self.cam_emb = nn.Parameter(torch.zeros(len(cameras), 1, d_model))
-        self.pos_emb = nn.Parameter(torch.randn(1, grid * grid, d_model) * 0.02)
+        self.pos_emb = nn.Parameter(torch.randn(1, n_tok, d_model) * 0.02)
 
     def train(self, mode: bool = True) -> "ImageEncoder":
         super().train(mode)
-        if self.backbone != "cnn":
+        if self.backbone != "cnn" and hasattr(self, "trunk"):
             # ImageNet batch statistics stay: batches of 64 frames of one scene would overwrite them
             self.trunk.eval()
         return self
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, 3, h, w) in [-1, 1] -> (B, d, grid, grid)."""
-        if self.backbone == "cnn":
-            return self.net(x)
+        """(B, 3, h, w) in [-1, 1] -> tokens (B, n_tok, d)."""
         if self.frozen:
             with torch.no_grad():
                 f = self.trunk(x)
         else:
             f = self.trunk(x)
-        return self.net(f)
+        if self.pool == "grid":
+            return self.net(f).flatten(2).transpose(1, 2)
+        z = torch.cat([self.keypoints(f).flatten(1), f.mean((2, 3))], 1)
+        return self.net(z).view(-1, self.n_tok, self.d_model)
 
     def forward(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
         """images: {cam: (B, h, w, 3) uint8} -> tokens (B, n_cams * grid^2, d)."""
@@ -127,9 +161,18 @@ class ImageEncoder(nn.Module):
             x = images[cam].permute(0, 3, 1, 2).float() / 127.5 - 1.0  # Lite0's own input scaling too
             if self.training:
                 x = random_shift(x, self.shift)
-            f = self.features(x).flatten(2).transpose(1, 2)  # (B, g*g, d)
+            f = self.features(x)  # (B, n_tok, d)
             toks.append(f + self.pos_emb + self.cam_emb[i])
         return torch.cat(toks, 1)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints from before the trunk/head split held the CNN as one Sequential "net"
+        # (convs at 0, 2, 4, the 1x1 projection at 7)
+        if self.backbone == "cnn" and self.pool == "grid" and prefix + "net.7.weight" in state_dict:
+            for old, new in (("net.0", "trunk.0"), ("net.2", "trunk.2"), ("net.4", "trunk.4"), ("net.7", "net.1")):
+                for kind in ("weight", "bias"):
+                    state_dict[f"{prefix}{new}.{kind}"] = state_dict.pop(f"{prefix}{old}.{kind}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def load_backbone(self, path: str) -> None:
-        self.net.load_state_dict(torch.load(path, map_location="cpu"))
+        self.trunk.load_state_dict(torch.load(path, map_location="cpu"))

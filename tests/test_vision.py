@@ -60,15 +60,20 @@ def test_vision_config_errors_name_the_problem():
         policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), vision_frozen=True)
     with pytest.raises(ValueError, match="vision must be"):
         policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), vision="resnet")
+    with pytest.raises(ValueError, match="aux_state_weight needs cameras and hidden"):
+        policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), aux_state_weight=1.0)
+    with pytest.raises(ValueError, match="image_pool"):
+        policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), image_pool="max")
     with pytest.raises(ValueError, match="image_shift"):
         policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), image_size=16, image_shift=8)
 
 
 def _square_data(path, n_eps: int = 24, T: int = 8, size: int = 32, seed: int = 0):
-    """Each episode shows a bright square left or right; the action is -1 or +1 accordingly and the
-    state is constant: only the image says which."""
+    """Each episode shows a bright square left or right; the action is -1 or +1 accordingly. The
+    state is [0, side]: its second entry ("object/side") is what an image policy hides."""
     rng = np.random.default_rng(seed)
-    with DatasetWriter(path, "synthetic/square", 2, 1, cameras=("cam",)) as ds:
+    with DatasetWriter(path, "synthetic/square", 2, 1, cameras=("cam",),
+                       meta={"state_layout": [["robot/zero", 1], ["object/side", 1]]}) as ds:
         for i in range(n_eps):
             side = i % 2
             imgs = np.zeros((T, size, size, 3), np.uint8)
@@ -76,28 +81,41 @@ def _square_data(path, n_eps: int = 24, T: int = 8, size: int = 32, seed: int = 
                 r = rng.integers(4, size - 12)
                 c = rng.integers(2, size // 2 - 10) + side * size // 2
                 imgs[t, r:r + 8, c:c + 8] = 255
-            ds.add(Episode(state=np.zeros((T, 2), np.float32), action=np.full((T, 1), 2.0 * side - 1, np.float32),
+            state = np.zeros((T, 2), np.float32)
+            state[:, 1] = side
+            ds.add(Episode(state=state, action=np.full((T, 1), 2.0 * side - 1, np.float32),
                            reward=np.zeros(T), success=np.zeros(T, bool), instruction="go to the square",
                            images={"cam": imgs}))
     return path
 
 
-@pytest.mark.parametrize("vision", ["cnn", "efficientnet_lite0"])
-def test_policy_reads_the_answer_from_pixels(tmp_path, vision):
+@pytest.mark.parametrize("vision,pool,aux", [("cnn", "grid", 0.0), ("cnn", "keypoints", 0.0), ("cnn", "grid", 1.0),
+                                             ("efficientnet_lite0", "grid", 0.0)])
+def test_policy_reads_the_answer_from_pixels(tmp_path, vision, pool, aux):
+    """The state's "object/side" entry is hidden, so only the image can tell the side."""
     path = _square_data(tmp_path / "sq.h5")
-    train(TrainArgs(data=(path,), steps=150, batch_size=32, horizon=1, n_exec=1, cameras=("cam",), image_size=32,
-                    image_shift=2, vision=vision, vision_frozen=vision != "cnn", out=tmp_path / "run",
-                    wandb="disabled", progress=False, lr=1e-3, warmup_steps=10, ema=0.0))
+    s = train(TrainArgs(data=(path,), steps=150, batch_size=32, horizon=1, n_exec=1, cameras=("cam",), image_size=32,
+                        image_shift=2, vision=vision, vision_frozen=vision != "cnn", image_pool=pool,
+                        ignore_state=("object/*",), aux_state_weight=aux, out=tmp_path / "run",
+                        wandb="disabled", progress=False, lr=1e-3, warmup_steps=10, ema=0.0))
+    assert ("loss_aux_state" in s["history"][-1]) == (aux > 0)
     p = policies.load(tmp_path / "run" / "ckpt")
-    assert p.config.vision == vision
+    assert (p.config.vision, p.config.image_pool, p.config.state_ignore) == (vision, pool, (1,))
     test = Dataset(_square_data(tmp_path / "held.h5", n_eps=20, seed=7))
     right = 0
     for i in range(len(test)):
         ep = test.episode(i)
+        obs = {"state": ep.state[0], "instruction": ep.instruction, "images": {"cam": ep.images["cam"][0]}}
         p.reset()
-        a = p.predict_action_chunk({"state": ep.state[0], "instruction": ep.instruction,
-                                    "images": {"cam": ep.images["cam"][0]}})
+        a = p.predict_action_chunk(obs)
         right += np.sign(a[0, 0]) == np.sign(ep.action[0, 0])
+        if i < 2:  # the hidden entry is never read at run time, whatever the training loss
+            chunks = []
+            for side in (ep.state[0, 1], 1.0 - ep.state[0, 1]):
+                p.reset()
+                torch.manual_seed(0)
+                chunks.append(p.predict_action_chunk({**obs, "state": np.array([0.0, side], np.float32)}))
+            np.testing.assert_allclose(chunks[0], chunks[1], atol=1e-6)
     assert right >= 17, f"{right}/20 sides right"  # chance: 10
 
 
@@ -113,3 +131,16 @@ def test_adroit_camera_and_lighting_perturbations_change_images_and_restore():
         p.restore()
         assert np.array_equal(env.reset(seed=3)[0]["images"]["vil_camera"].astype(float), base), fam
     env.close()
+
+
+def test_checkpoints_from_before_the_trunk_split_still_load():
+    enc = ImageEncoder(32, ("cam",)).eval()
+    old = {}  # the layout image checkpoints had until Dec 2026: one Sequential "net"
+    rename = {"trunk.0": "net.0", "trunk.2": "net.2", "trunk.4": "net.4", "net.1": "net.7"}
+    for k, v in enc.state_dict().items():
+        mod, _, kind = k.rpartition(".")
+        old[f"{rename[mod]}.{kind}" if mod in rename else k] = v.clone()
+    fresh = ImageEncoder(32, ("cam",)).eval()
+    fresh.load_state_dict(old)
+    img = {"cam": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8)}
+    assert torch.equal(fresh(img), enc(img))

@@ -70,6 +70,11 @@ class TrainArgs:
     """efficientnet_lite0: keep the pretrained trunk fixed"""
     image_shift: int = _MODEL.image_shift
     """random-shift augmentation in pixels (0: off)"""
+    aux_state_weight: float = _MODEL.aux_state_weight
+    """image policies: auxiliary loss predicting the hidden (--ignore-state) entries from the image
+    (training only; see PolicyConfig.aux_state_weight)"""
+    image_pool: Literal["grid", "keypoints"] = _MODEL.image_pool
+    """feature map -> tokens: grid (4x4 average pool) or keypoints (spatial softmax)"""
     fusion: Literal["late", "early"] = _MODEL.fusion
     """late: state and instruction meet only in attention; early: the state encoder also reads the
     instruction (see PolicyConfig.fusion)"""
@@ -119,7 +124,7 @@ class TrainArgs:
 
 
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
-                "image_shift", "fusion", "state_hidden",
+                "image_shift", "image_pool", "aux_state_weight", "fusion", "state_hidden",
                 "lang_norm", "ignore_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
@@ -185,7 +190,9 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
         cfg = PolicyConfig(kind=args.policy, state_dim=data.state_dim, action_dim=data.action_dim,
                            horizon=args.horizon, n_exec=args.n_exec, size=args.size, cameras=tuple(args.cameras),
                            image_size=args.image_size, vision=args.vision,
-                           vision_frozen=args.vision_frozen, image_shift=args.image_shift, fusion=args.fusion, state_hidden=args.state_hidden,
+                           vision_frozen=args.vision_frozen, image_shift=args.image_shift,
+                           image_pool=args.image_pool, aux_state_weight=args.aux_state_weight, fusion=args.fusion,
+                           state_hidden=args.state_hidden,
                            lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
                            cfg_scale=args.cfg_scale, n_bins=args.n_bins, bin_sigma=args.bin_sigma,
                            state_ignore=tuple(_state_ignore(args.ignore_state, data)))
