@@ -144,3 +144,23 @@ def test_checkpoints_from_before_the_trunk_split_still_load():
     fresh.load_state_dict(old)
     img = {"cam": torch.randint(0, 255, (2, 32, 32, 3), dtype=torch.uint8)}
     assert torch.equal(fresh(img), enc(img))
+
+
+def test_evaluation_does_not_depend_on_what_the_process_drew_before():
+    """rollout seeds the policy's sampling noise from the episode seed (flow sampling is random)."""
+    import envs
+    from train.evaluate import rollout
+    env = envs.make("adroit/door", max_episode_steps=6)
+    p = policies.make_policy(policies.PolicyConfig(state_dim=39, action_dim=28, horizon=2, n_exec=1))
+    rng = np.random.default_rng(0)
+    p.fit_normalizer(rng.normal(size=(50, 39)).astype(np.float32), rng.normal(size=(50, 28)).astype(np.float32),
+                     ["open the door"])
+    runs = []
+    for draws in (1, 13):
+        torch.rand(draws)  # the process's generator is somewhere else each time
+        acts: list = []
+        rollout(p, env, seed=3, act=lambda o: acts.append(p.select_action(o)) or acts[-1])
+        runs.append(np.array(acts))
+    env.close()
+    assert len(runs[0]) == 6
+    np.testing.assert_array_equal(runs[0], runs[1])
