@@ -68,6 +68,8 @@ METHODS: dict[str, dict[str, Any]] = {  # name -> TrainArgs overrides ("cameras"
     "cnn_noaug": {"vision": "cnn", "image_shift": 0},
     "cnn_kp": {"vision": "cnn", "image_pool": "keypoints"},
     "cnn_aux": {"vision": "cnn", "aux_state_weight": 1.0},
+    "cnn_jitter": {"vision": "cnn", "image_jitter": 0.5},
+    "lite0_frozen_jitter": {"vision": "efficientnet_lite0", "vision_frozen": True, "image_jitter": 0.5},
     "lite0_frozen": {"vision": "efficientnet_lite0", "vision_frozen": True},
     "lite0_finetuned": {"vision": "efficientnet_lite0"},
     "ar_cnn": {"policy": "ar", "vision": "cnn"},

@@ -44,6 +44,9 @@ class PolicyConfig:
     (``state_ignore``: object poses, goals) from the image tokens. Simulation demos record what the
     policy may not read; the loss teaches the encoder to find it in the pixels (at run time nothing
     but pixels and proprioception is used)"""
+    image_jitter: float = 0.0
+    """colour-jitter augmentation in training: random brightness gain 1 +- this and tint 1 +- half of
+    it per sample (0: off); what makes an image policy survive a lighting change"""
     image_shift: int = 4
     """random-shift augmentation in training (DrQ): pad by this many pixels and crop back at a random
     offset; 0 turns it off"""
@@ -112,6 +115,8 @@ class PolicyConfig:
         if self.aux_state_weight < 0 or (self.aux_state_weight > 0 and not (self.cameras and self.state_ignore)):
             raise ValueError("aux_state_weight needs cameras and hidden state entries (state_ignore) to predict, "
                              f"and must be >= 0 (got {self.aux_state_weight})")
+        if not 0 <= self.image_jitter < 1:
+            raise ValueError(f"image_jitter must be in [0, 1), got {self.image_jitter}")
         if self.image_pool not in ("grid", "keypoints"):
             raise ValueError(f"image_pool must be 'grid' or 'keypoints', got {self.image_pool!r}")
         if not 0 <= self.image_shift < self.image_size // 2:

@@ -76,7 +76,7 @@ class VLAModel(nn.Module):
         state_in = len(keep) + (c.lang_dim if c.fusion == "early" else 0)
         self.state_proj = nn.Sequential(nn.Linear(state_in, c.state_hidden), nn.GELU(), nn.Linear(c.state_hidden, d))
         self.vision = (ImageEncoder(d, c.cameras, backbone=c.vision, frozen=c.vision_frozen, shift=c.image_shift,
-                                    pool=c.image_pool)
+                                    pool=c.image_pool, jitter=c.image_jitter)
                        if c.cameras else None)
         # predicts the hidden state entries from the image tokens (training only, see aux_state_weight)
         self.aux_head = (nn.Linear(len(c.cameras) * self.vision.n_tok * d, len(c.state_ignore))

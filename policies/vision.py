@@ -8,8 +8,9 @@ stage (112 channels): at 64 px that is a 4x4 map already, and the later stages c
 parameters for ImageNet classes a robot does not need.
 
 Random-shift augmentation (DrQ, Kostrikov et al. 2021: pad by ``shift`` pixels with the border
-and crop back at a random offset) is applied in training mode only; it is what keeps a small
-image policy from memorising pixel positions of 100-200 demos.
+and crop back at a random offset) and, where asked, colour jitter (brightness and tint) are
+applied in training mode only. Measured on the door (benchmarks/vision.py): a from-scratch CNN
+trained without jitter fell from 0.94 to 0.02 under the lighting perturbation.
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ def random_shift(x: torch.Tensor, shift: int) -> torch.Tensor:
     out = padded.gather(2, idx_r)
     idx_c = cols[:, None, None, :].expand(B, x.shape[1], h, w)
     return out.gather(3, idx_c)
+
+
+def color_jitter(x: torch.Tensor, strength: float) -> torch.Tensor:
+    """(B, 3, h, w) in [-1, 1] -> the same images under a random brightness gain in
+    [1 - strength, 1 + strength] and a per-channel tint in [1 - strength/2, 1 + strength/2] per
+    sample: what a lighting change does to a rendered frame, to first order."""
+    if strength <= 0:
+        return x
+    B = x.shape[0]
+    gain = 1 + strength * (2 * torch.rand(B, 1, 1, 1, device=x.device) - 1)
+    tint = 1 + strength / 2 * (2 * torch.rand(B, 3, 1, 1, device=x.device) - 1)
+    return (((x + 1) / 2) * gain * tint).clamp(0, 1) * 2 - 1
 
 
 def _lite0_trunk() -> nn.Module:
@@ -99,14 +112,14 @@ class SpatialSoftmax(nn.Module):
 
 class ImageEncoder(nn.Module):
     def __init__(self, d_model: int, cameras: tuple[str, ...], grid: int = 4, backbone: str = "cnn",
-                 frozen: bool = False, shift: int = 0, pool: str = "grid", keypoints: int = 32):
+                 frozen: bool = False, shift: int = 0, pool: str = "grid", keypoints: int = 32, jitter: float = 0.0):
         super().__init__()
         if backbone not in BACKBONES:
             raise ValueError(f"unknown vision backbone {backbone!r}; valid: {list(BACKBONES)}")
         if pool not in POOLS:
             raise ValueError(f"unknown image pooling {pool!r}; valid: {list(POOLS)}")
         self.cameras, self.backbone, self.frozen, self.shift = cameras, backbone, bool(frozen), int(shift)
-        self.pool = pool
+        self.pool, self.jitter = pool, float(jitter)
         if backbone == "cnn":
             c = max(16, d_model // 4)
             # keypoints: the last conv keeps stride 1, so the map is twice as fine (16x16 at 64 px)
@@ -160,7 +173,7 @@ class ImageEncoder(nn.Module):
                 raise KeyError(f"policy needs camera {cam!r}, observation has {list(images)}")
             x = images[cam].permute(0, 3, 1, 2).float() / 127.5 - 1.0  # Lite0's own input scaling too
             if self.training:
-                x = random_shift(x, self.shift)
+                x = color_jitter(random_shift(x, self.shift), self.jitter)
             f = self.features(x)  # (B, n_tok, d)
             toks.append(f + self.pos_emb + self.cam_emb[i])
         return torch.cat(toks, 1)

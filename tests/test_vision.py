@@ -9,7 +9,7 @@ import torch
 
 import policies
 from dataset import Dataset, DatasetWriter, Episode
-from policies.vision import ImageEncoder, random_shift
+from policies.vision import ImageEncoder, color_jitter, random_shift
 from train.bc import TrainArgs, train
 
 
@@ -28,6 +28,17 @@ def test_random_shift_translates_with_border_replicated():
             assert len(hits) == 1
             seen.add(hits[0])
     assert len(seen) > 5  # the offsets vary
+
+
+def test_color_jitter_scales_brightness_and_tint_within_bounds():
+    torch.manual_seed(0)
+    x = torch.full((64, 3, 4, 4), 0.0)  # mid grey in [-1, 1]
+    assert torch.equal(color_jitter(x, 0.0), x)
+    y = (color_jitter(x, 0.5) + 1) / 2  # back to [0, 1]: 0.5 * gain * tint
+    ratio = y / 0.5
+    assert ratio.min() >= 0.5 * 0.75 - 1e-6 and ratio.max() <= 1.5 * 1.25 + 1e-6
+    assert ratio.std() > 0.1  # samples differ
+    assert not torch.allclose(ratio[:, 0], ratio[:, 1])  # and channels (tint)
 
 
 def test_shift_only_in_training_mode():
@@ -62,6 +73,8 @@ def test_vision_config_errors_name_the_problem():
         policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), vision="resnet")
     with pytest.raises(ValueError, match="aux_state_weight needs cameras and hidden"):
         policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), aux_state_weight=1.0)
+    with pytest.raises(ValueError, match="image_jitter"):
+        policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), image_jitter=1.5)
     with pytest.raises(ValueError, match="image_pool"):
         policies.PolicyConfig(state_dim=3, action_dim=2, cameras=("c",), image_pool="max")
     with pytest.raises(ValueError, match="image_shift"):

@@ -73,6 +73,8 @@ class TrainArgs:
     aux_state_weight: float = _MODEL.aux_state_weight
     """image policies: auxiliary loss predicting the hidden (--ignore-state) entries from the image
     (training only; see PolicyConfig.aux_state_weight)"""
+    image_jitter: float = _MODEL.image_jitter
+    """colour-jitter augmentation strength (brightness/tint; 0: off)"""
     image_pool: Literal["grid", "keypoints"] = _MODEL.image_pool
     """feature map -> tokens: grid (4x4 average pool) or keypoints (spatial softmax)"""
     fusion: Literal["late", "early"] = _MODEL.fusion
@@ -124,7 +126,7 @@ class TrainArgs:
 
 
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
-                "image_shift", "image_pool", "aux_state_weight", "fusion", "state_hidden",
+                "image_shift", "image_jitter", "image_pool", "aux_state_weight", "fusion", "state_hidden",
                 "lang_norm", "ignore_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
@@ -191,7 +193,8 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
                            horizon=args.horizon, n_exec=args.n_exec, size=args.size, cameras=tuple(args.cameras),
                            image_size=args.image_size, vision=args.vision,
                            vision_frozen=args.vision_frozen, image_shift=args.image_shift,
-                           image_pool=args.image_pool, aux_state_weight=args.aux_state_weight, fusion=args.fusion,
+                           image_pool=args.image_pool, image_jitter=args.image_jitter,
+                           aux_state_weight=args.aux_state_weight, fusion=args.fusion,
                            state_hidden=args.state_hidden,
                            lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
                            cfg_scale=args.cfg_scale, n_bins=args.n_bins, bin_sigma=args.bin_sigma,
