@@ -8,7 +8,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -51,6 +51,25 @@ def write(name: str, data: dict[str, Any], table: str, merge: bool = False) -> N
     os.replace(tmp, path)
     (RESULTS / f"{name}.md").write_text(table)
     print(table)
+
+
+def load_results(stem: str) -> dict[str, Any]:
+    """``benchmarks/results/<stem>.json`` ({} before the first run)."""
+    path = RESULTS / f"{stem}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def save_results(stem: str, res: dict[str, Any], table: Callable[[dict[str, Any]], str]) -> None:
+    """Write ``<stem>.json`` atomically (a per-process temp file, then rename) with the machine
+    stamped in, and the markdown ``table(res)`` beside it; parts of a benchmark run one after another save
+    after every entry, so a killed run keeps what it measured."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    res["machine"] = machine()
+    path = RESULTS / f"{stem}.json"
+    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(res, indent=2))
+    os.replace(tmp, path)
+    (RESULTS / f"{stem}.md").write_text(table(res))
 
 
 def merge_json(path: Path, sections: dict[str, Any], indent: int = 2) -> dict[str, Any]:

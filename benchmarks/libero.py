@@ -18,7 +18,6 @@ Parts (each adds its section to ``benchmarks/results/<results>.json`` and rewrit
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, RESULTS, ROOT, machine, md_table  # noqa: E402
+from common import DATA, RESULTS, ROOT, load_results, md_table, save_results  # noqa: E402
 
 # this file's name would shadow the libero package: take its folder (Python puts it first) off the path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -67,23 +66,9 @@ class Args:
     runs: Path = ROOT / "runs" / "libero"
     results: str = "libero"
     """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
-    merge: tuple[str, ...] = ()
-    """only merge the sections of these result stems into --results and rewrite its table"""
-
-
-def _load(a: Args) -> dict[str, Any]:
-    path = RESULTS / f"{a.results}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _save(a: Args, res: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    res["machine"] = machine()
-    path = RESULTS / f"{a.results}.json"
-    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(res, indent=2))
-    os.replace(tmp, path)
-    (RESULTS / f"{a.results}.md").write_text(_table(res))
+    merge: tuple[str, ...] | None = None
+    """only merge the sections of these result stems into --results and rewrite its table (``--merge``
+    alone: just rewrite the table; it used to fall through to the default part and re-run the experts)"""
 
 
 def experts(a: Args, res: dict[str, Any]) -> None:
@@ -107,7 +92,7 @@ def experts(a: Args, res: dict[str, Any]) -> None:
             "mean_steps": float(np.mean(steps)), "seconds": time.time() - t0}
         env.close()
         print(f"[experts] goal-{i}: {ok}/{a.episodes_per_task}", flush=True)
-        _save(a, res)
+        save_results(a.results, res, _table)
 
 
 def _demos(a: Args) -> tuple[Path, ...]:
@@ -197,7 +182,7 @@ def policies(a: Args, res: dict[str, Any]) -> None:
                                                   "data": " + ".join(p.name for p in data),
                                                   "detail": rows, "eval_seconds": time.time() - t0}
         print(f"[policies] {method}{a.tag}: average {avg:.2f}", flush=True)
-        _save(a, res)
+        save_results(a.results, res, _table)
     env.close()
 
 
@@ -214,7 +199,7 @@ def perturbations(a: Args, res: dict[str, Any]) -> None:
                 res.setdefault("perturbations", {}).setdefault(method + a.tag, {})[fam] = {"not_applicable": why}
                 env.close()
                 print(f"[perturbations] {method}{a.tag} {fam}: not applicable ({why})", flush=True)
-                _save(a, res)
+                save_results(a.results, res, _table)
                 continue
             penv = perturb(env, fam)
             rows = _per_task(policy, a, penv)
@@ -224,7 +209,7 @@ def perturbations(a: Args, res: dict[str, Any]) -> None:
             penv.close()
             print(f"[perturbations] {method}{a.tag} {fam}: {res['perturbations'][method + a.tag][fam]['average']:.2f}",
                   flush=True)
-            _save(a, res)
+            save_results(a.results, res, _table)
 
 
 def _table(res: dict[str, Any]) -> str:
@@ -260,8 +245,8 @@ def main() -> None:
     bad = [t for t in a.tasks if not 0 <= t < N_TASKS]
     if bad:
         raise SystemExit(f"LIBERO-Goal has tasks 0..{N_TASKS - 1}; got {bad}")
-    res = _load(a)
-    if a.merge:
+    res = load_results(a.results)
+    if a.merge is not None:
         for stem in a.merge:
             path = RESULTS / f"{stem}.json"
             if not path.exists():
@@ -269,7 +254,7 @@ def main() -> None:
             for key, part in json.loads(path.read_text()).items():
                 if isinstance(part, dict) and key != "machine":
                     res.setdefault(key, {}).update(part)
-        return _save(a, res)
+        return save_results(a.results, res, _table)
     {"experts": experts, "policies": policies, "perturbations": perturbations}[a.part](a, res)
 
 

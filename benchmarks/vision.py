@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, demos, machine, md_table  # noqa: E402
+from common import ROOT, demos, load_results, md_table, save_results  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
@@ -88,6 +87,11 @@ class Args:
     """training steps (default: the task's)"""
     perturbations: tuple[str, ...] = ("camera", "lighting")
     seed: int = 0
+    resume: bool = False
+    """continue an interrupted training run (or end it early: a --steps at or below its step count
+    just writes its summary and evaluates it); train minutes then count the resumed part only"""
+    tag: str = ""
+    """suffix of the result names (another budget beside the default rows, e.g. --steps 3000 --tag _3k)"""
     runs: Path = ROOT / "runs" / "vision"
     results: str = "vision"
     """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
@@ -95,21 +99,6 @@ class Args:
     """only merge the task/perturbation entries of these result stems into --results, rewrite the table
     (``--merge`` alone: just rewrite the table)"""
     progress: bool = True
-
-
-def _load(stem: str) -> dict[str, Any]:
-    path = RESULTS / f"{stem}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _save(a: Args, res: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    res["machine"] = machine()
-    path = RESULTS / f"{a.results}.json"
-    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(res, indent=2))
-    os.replace(tmp, path)
-    (RESULTS / f"{a.results}.md").write_text(_table(res))
 
 
 def _demos(env_id: str, a: Args) -> Path:
@@ -136,15 +125,16 @@ def _train_args(env_id: str, method: str, a: Args, data: Path, out: Path):
 def _checkpoint(env_id: str, method: str, a: Args) -> tuple[Path, float]:
     """Train (or reuse) the method's policy; its checkpoint and training minutes."""
     from train.bc import train
-    out = a.runs / f"{env_id.replace('/', '_')}_{method}_s{a.seed}"
+    out = a.runs / f"{env_id.replace('/', '_')}_{method}{a.tag}_s{a.seed}"
     summary = out / "summary.json"
     if summary.exists():
         return out / "ckpt", json.loads(summary.read_text())["seconds"] / 60
     data = _demos(env_id, a)
-    if out.exists():
+    resume = a.resume and (out / "train_state.pt").exists()
+    if out.exists() and not resume:
         shutil.rmtree(out)
     t0 = time.time()
-    train(_train_args(env_id, method, a, data, out))
+    train(dataclasses.replace(_train_args(env_id, method, a, data, out), resume=resume))
     return out / "ckpt", (time.time() - t0) / 60
 
 
@@ -166,7 +156,7 @@ def tasks(a: Args, res: dict[str, Any]) -> None:
             r = evaluate(policy, env_id, a.episodes, seed=EVAL_SEED, env_options=_env_options(env_id, method, a),
                          progress=a.progress).to_dict()
             t = TASKS[env_id]
-            res.setdefault("tasks", {}).setdefault(env_id, {})[method] = {
+            res.setdefault("tasks", {}).setdefault(env_id, {})[method + a.tag] = {
                 "success": r["success_rate"], "ci95": r["ci95"], "episodes": r["episodes"],
                 "image_size": a.image_size if METHODS[method].get("cameras", True) else 0,
                 "train_minutes": minutes, "demos": t.demos, "train_steps": a.steps or t.steps,
@@ -174,7 +164,7 @@ def tasks(a: Args, res: dict[str, Any]) -> None:
                 "policy": METHODS[method].get("policy", "flow"), "did_other_task": r["did_other_task_rate"]}
             print(f"[tasks] {env_id} {method}: {r['success_rate']:.2f} {r['ci95']} ({minutes:.1f} min training)",
                   flush=True)
-            _save(a, res)
+            save_results(a.results, res, _table)
 
 
 def perturbations(a: Args, res: dict[str, Any]) -> None:
@@ -196,9 +186,9 @@ def perturbations(a: Args, res: dict[str, Any]) -> None:
                                  progress=a.progress).to_dict()
                     entry = {"success": r["success_rate"], "ci95": r["ci95"], "episodes": r["episodes"]}
                 env.close()
-                res.setdefault("perturbations", {}).setdefault(env_id, {}).setdefault(method, {})[fam] = entry
+                res.setdefault("perturbations", {}).setdefault(env_id, {}).setdefault(method + a.tag, {})[fam] = entry
                 print(f"[perturbations] {env_id} {method} {fam}: {entry}", flush=True)
-                _save(a, res)
+                save_results(a.results, res, _table)
 
 
 def _render_rate(env_id: str, camera: str | None, size: int, steps: int = 100) -> float:
@@ -253,7 +243,7 @@ def throughput(a: Args, res: dict[str, Any]) -> None:
         out["train_samples_per_s"][env_id] = rates
         print(f"[throughput] {env_id} train samples/s: {rates}", flush=True)
     res["throughput"] = out
-    _save(a, res)
+    save_results(a.results, res, _table)
 
 
 def _table(res: dict[str, Any]) -> str:
@@ -265,7 +255,7 @@ def _table(res: dict[str, Any]) -> str:
         for env_id, ms in res["tasks"].items():
             for m, r in ms.items():
                 seen = (f"{r['camera']} + proprioception" if r["camera"] else
-                        "proprioception only" if METHODS.get(m, {}).get("blind") else "privileged state")
+                        "proprioception only" if "blind" in m else "privileged state")
                 rows.append([env_id, m, r["policy"], seen, r["image_size"] or "-",
                              f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", r["episodes"],
                              r["demos"], r["train_steps"], f"{r['train_minutes']:.1f}"])
@@ -302,16 +292,16 @@ def _table(res: dict[str, Any]) -> str:
 
 def main() -> None:
     a = tyro.cli(Args)
-    res = _load(a.results)
+    res = load_results(a.results)
     if a.merge is not None:
         for stem in a.merge:
-            other = _load(stem)
+            other = load_results(stem)
             for sec in ("tasks", "perturbations"):
                 for env_id, ms in other.get(sec, {}).items():
                     res.setdefault(sec, {}).setdefault(env_id, {}).update(ms)
             if "throughput" in other:
                 res["throughput"] = other["throughput"]
-        _save(a, res)
+        save_results(a.results, res, _table)
         print(_table(res))
         return
     unknown = [e for e in a.envs if e not in TASKS] + [m for m in a.methods if m not in METHODS]
