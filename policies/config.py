@@ -46,7 +46,7 @@ class PolicyConfig:
     but pixels and proprioception is used)"""
     image_jitter: float = 0.0
     """colour-jitter augmentation in training: random brightness gain 1 +- this and tint 1 +- half of
-    it per sample (0: off); what makes an image policy survive a lighting change"""
+    it per sample (0: off), against lighting changes (its effect is not established: see README)"""
     image_shift: int = 4
     """random-shift augmentation in training (DrQ): pad by this many pixels and crop back at a random
     offset; 0 turns it off"""
