@@ -149,7 +149,7 @@ class ImageEncoder(nn.Module):
 
     def train(self, mode: bool = True) -> "ImageEncoder":
         super().train(mode)
-        if self.backbone != "cnn" and hasattr(self, "trunk"):
+        if self.backbone != "cnn":
             # ImageNet batch statistics stay: batches of 64 frames of one scene would overwrite them
             self.trunk.eval()
         return self
