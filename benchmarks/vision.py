@@ -101,6 +101,10 @@ class Args:
     progress: bool = True
 
 
+def _sees_image(method: str) -> bool:
+    return METHODS[method].get("cameras", True)
+
+
 def _demos(env_id: str, a: Args) -> Path:
     t = TASKS[env_id]
     kw: dict[str, Any] = {"cameras": (t.camera,), "image_size": a.image_size}
@@ -111,9 +115,9 @@ def _demos(env_id: str, a: Args) -> Path:
 
 def _train_args(env_id: str, method: str, a: Args, data: Path, out: Path):
     from train.recipes import recipe_args
-    t, m = TASKS[env_id], dict(METHODS[method])
-    image = m.pop("cameras", True)
-    hide = t.hide if (image or m.pop("blind", False)) else ()
+    t, image = TASKS[env_id], _sees_image(method)
+    m = {k: v for k, v in METHODS[method].items() if k not in ("cameras", "blind")}
+    hide = t.hide if (image or METHODS[method].get("blind")) else ()
     if t.recipe == "multitask":  # the recipe's own hidden slices (joint velocities) stay hidden
         from train.recipes import RECIPES
         hide = tuple(RECIPES["multitask"][1]["ignore_state"]) + hide
@@ -139,8 +143,8 @@ def _checkpoint(env_id: str, method: str, a: Args) -> tuple[Path, float]:
 
 
 def _env_options(env_id: str, method: str, a: Args) -> dict[str, Any]:
-    image = METHODS[method].get("cameras", True)
-    opts: dict[str, Any] = {"cameras": (TASKS[env_id].camera,), "image_size": a.image_size} if image else {}
+    opts: dict[str, Any] = ({"cameras": (TASKS[env_id].camera,), "image_size": a.image_size}
+                            if _sees_image(method) else {})
     if TASKS[env_id].recipe == "multitask":
         opts["layout"] = "random"
     return opts
@@ -158,9 +162,9 @@ def tasks(a: Args, res: dict[str, Any]) -> None:
             t = TASKS[env_id]
             res.setdefault("tasks", {}).setdefault(env_id, {})[method + a.tag] = {
                 "success": r["success_rate"], "ci95": r["ci95"], "episodes": r["episodes"],
-                "image_size": a.image_size if METHODS[method].get("cameras", True) else 0,
+                "image_size": a.image_size if _sees_image(method) else 0,
                 "train_minutes": minutes, "demos": t.demos, "train_steps": a.steps or t.steps,
-                "camera": t.camera if METHODS[method].get("cameras", True) else None,
+                "camera": t.camera if _sees_image(method) else None,
                 "policy": METHODS[method].get("policy", "flow"), "did_other_task": r["did_other_task_rate"]}
             print(f"[tasks] {env_id} {method}: {r['success_rate']:.2f} {r['ci95']} ({minutes:.1f} min training)",
                   flush=True)
@@ -206,7 +210,6 @@ def _render_rate(env_id: str, camera: str | None, size: int, steps: int = 100) -
 
 
 def throughput(a: Args, res: dict[str, Any]) -> None:
-    from dataset import Dataset
     from train.bc import train
     from train.data import ChunkData
     out: dict[str, Any] = {"render_steps_per_s": {}, "storage": {}, "loader": {}, "train_samples_per_s": {}}
@@ -217,16 +220,13 @@ def throughput(a: Args, res: dict[str, Any]) -> None:
             **{f"{s}px": _render_rate(env_id, cam, s) for s in (64, 128)}}
         print(f"[throughput] {env_id} steps/s: {out['render_steps_per_s'][env_id]}", flush=True)
         data = _demos(env_id, a)
-        with Dataset(data) as ds:
-            frames = ds.total_steps if hasattr(ds, "total_steps") else sum(len(ds.episode(i, images=False))
-                                                                        for i in range(len(ds)))
-        size = data.stat().st_size
-        out["storage"][env_id] = {"frames": frames, "file_bytes": size,
-                                  "bytes_per_frame": size / frames, "raw_image_bytes_per_frame": 3 * a.image_size ** 2,
-                                  "chunks": "one frame per chunk, lzf"}
         t0 = time.perf_counter()
         cd = ChunkData(data, 16, (cam,), a.image_size)
         load_s = time.perf_counter() - t0
+        size = data.stat().st_size
+        out["storage"][env_id] = {"frames": len(cd), "file_bytes": size, "bytes_per_frame": size / len(cd),
+                                  "raw_image_bytes_per_frame": 3 * a.image_size ** 2,
+                                  "chunks": "one frame per chunk, lzf"}
         idx = np.random.default_rng(0).integers(0, len(cd), (50, 64))
         t0 = time.perf_counter()
         for b in idx:

