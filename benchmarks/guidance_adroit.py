@@ -1,4 +1,6 @@
-"""Guidance under tighter joint limits on the four Adroit tasks (train/constrained_eval.py).
+"""Guidance under Adroit constraints (train/constrained_eval.py): tighter joint limits on the four
+tasks (``--kind joint_limits``, the default) or a palm keep-out ball on door and relocate
+(``--kind keepout``: a constraint no clamp of the action can satisfy).
 
 Per task: a tiny flow policy trained on 50 DAPG expert demos (cached under
 runs/bench_guidance_adroit/), then none / clip / coupled (default linesearch step) /
@@ -7,9 +9,14 @@ scale sweep of two decades, plus coupled+clip and coupled_prox+clip (guided, the
 their method's chosen scale; every run on the same episodes (seeds) and the same sampler noise.
 Per method the reported scale is the one with the lowest violation rate, ties broken by
 success. Writes the "adroit", "adroit_sweep" and "adroit_meta" sections of
-benchmarks/results/guidance.json (other sections kept) and benchmarks/results/guidance_adroit.md.
+benchmarks/results/guidance.json (other sections kept) and benchmarks/results/guidance_adroit.md;
+``--kind keepout`` writes "adroit_keepout", "adroit_keepout_sweep", "adroit_keepout_meta" and
+guidance_adroit_keepout.md, and reports per method the scale with the best *clean* success
+(success without the palm entering the ball), ties broken by fewer violations: there every
+method can keep out by freezing, so the lowest-violation rule would pick useless scales.
 
     OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/guidance_adroit.py
+    OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/guidance_adroit.py --kind keepout --episodes 50  # ~25 min
         # ~4 min with cached policies, ~15 min with training (1 core, shared machine)
     .venv/bin/python benchmarks/guidance_adroit.py --tasks door --episodes 5 --no-write
 """
@@ -33,7 +40,7 @@ import torch  # noqa: E402
 import envs  # noqa: E402
 import policies  # noqa: E402
 from train.bc import TrainArgs, train  # noqa: E402
-from train.constrained_eval import CONSTRAINTS, TOL, evaluate_constrained  # noqa: E402
+from train.constrained_eval import CONSTRAINTS, KEEPOUTS, TOL, evaluate_constrained  # noqa: E402
 
 TASKS = {  # task -> (demos, train steps); door's budget reached 0.98 success in policies.md
     "door": (50, 3000), "hammer": (50, 3000), "pen": (50, 3000), "relocate": (50, 3000),
@@ -54,9 +61,24 @@ CONFIGS: dict[str, tuple[str, dict, tuple[float, ...]]] = {
     "state_gradient": ("state_gradient", {}, (0.1, 1.0, 10.0)),
     "pnp_renoise": ("pnp_renoise", {}, (0.1, 1.0, 10.0)),
 }
+# Keep-out: the cost is in metres (ObstacleCost on the predicted palm path, 1e4 nats per m^2: 2 cm
+# inside the margin costs 4 nats at scale 1); the same methods over the scales where they move.
+_KO_SCALES = (0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+KEEPOUT_CONFIGS: dict[str, tuple[str, dict, tuple[float, ...]]] = {
+    "none": ("none", {}, (0.0,)),
+    "clip": ("clip", {}, (0.0,)),          # here: the model-based safety filter on each executed command
+    "coupled": ("coupled", {}, _KO_SCALES),
+    "coupled_jacobian_ls": ("coupled", {"sigma": "jacobian"}, (1.0, 10.0, 100.0, 1000.0)),
+    "coupled_prox": ("coupled", {"step": "prox"}, _KO_SCALES),
+    "velocity_gradient": ("velocity_gradient", {}, _KO_SCALES),
+    "state_gradient": ("state_gradient", {}, _KO_SCALES),
+    "pnp_renoise": ("pnp_renoise", {}, _KO_SCALES),
+}
 # guided, then clamped: the safety net a deployment keeps; evaluated at the base method's chosen scale
 CLIPPED = {"coupled+clip": "coupled", "coupled_prox+clip": "coupled_prox"}
 WEIGHT = 100.0  # LimitCost weight, nats per action-unit^2 (0.1 outside the limit: 1 nat at scale 1)
+WEIGHTS = {"joint_limits": WEIGHT, "keepout": 1e4}
+KIND_TASKS = {"joint_limits": list(TASKS), "keepout": list(KEEPOUTS)}
 SEED = 3000
 
 
@@ -78,12 +100,15 @@ def policy_for(task: str, log=print) -> tuple[Any, dict]:
     return policies.load(out / "ckpt"), info
 
 
-def choose(runs: list[dict]) -> dict:
-    """The run with the lowest violation rate, ties broken by success, then by the smaller scale."""
+def choose(runs: list[dict], kind: str = "joint_limits") -> dict:
+    """Joint limits: the run with the lowest violation rate, ties broken by success, then by the
+    smaller scale. Keep-out: the best clean success, then fewer violations, then the smaller scale."""
+    if kind == "keepout":
+        return min(runs, key=lambda r: (-r["clean_success_rate"], r["violation_rate"], r["scale"]))
     return min(runs, key=lambda r: (r["violation_rate"], -r["success_rate"], r["scale"]))
 
 
-def run_task(task: str, episodes: int, log=print) -> tuple[dict, dict, dict]:
+def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits") -> tuple[dict, dict, dict]:
     pol, info = policy_for(task, log)
     env_id = f"adroit/{task}"
     pool = [envs.make(env_id) for _ in range(episodes)]
@@ -92,24 +117,31 @@ def run_task(task: str, episodes: int, log=print) -> tuple[dict, dict, dict]:
 
     def one(name: str, method: str, options: dict, scale: float) -> dict:
         t = time.time()
-        r = evaluate_constrained(pol, env_id, method, scale, episodes, seed=SEED, weight=WEIGHT, options=options,
-                                 env_pool=pool)
+        r = evaluate_constrained(pol, env_id, method, scale, episodes, seed=SEED, weight=WEIGHTS[kind], options=options,
+                                 env_pool=pool, kind=kind)
         r["config"], r["wall_s"] = name, time.time() - t
         log(f"{task:8s} {name:18s} scale={scale:<6g} success={r['success_rate']:.2f} violation={r['violation_rate']:.2f} "
-            f"qpos_violation={r['qpos_violation_rate']:.2f} mean_excess={r['violation_mean']:.4f} "
+            f"clean={r['clean_success_rate']:.2f} state_violation={r['state_violation_rate']:.2f} "
+            f"max_state_excess={r['state_violation_max']:.4f} mean_excess={r['violation_mean']:.4f} "
             f"ms/chunk={r['ms_per_chunk']:.1f} ({r['wall_s']:.0f}s)")
         return r
 
-    for name, (method, options, scales) in CONFIGS.items():
+    configs = KEEPOUT_CONFIGS if kind == "keepout" else CONFIGS
+    for name, (method, options, scales) in configs.items():
         sweep[name] = [one(name, method, options, s) for s in scales]
-        best[name] = choose(sweep[name])
+        best[name] = choose(sweep[name], kind)
     for name, base in CLIPPED.items():
-        method, options, _ = CONFIGS[base]
+        method, options, _ = configs[base]
         r = one(name, f"{method}+clip", options, best[base]["scale"])
         sweep[name] = [r]
         best[name] = r
     for e in pool:
         e.close()
+    if kind == "keepout":
+        ko = KEEPOUTS[task]
+        return best, sweep, {**info, "constraint": {"why": ko.why, "site": ko.site, "center": list(ko.center),
+                                                    "radius": ko.radius, "margin": ko.margin,
+                                                    "servo_r2": list(ko.servo.r2)}}
     c = CONSTRAINTS[task]
     meta = {**info, "constraint": {"why": c.why, "limits": [
         {"dim": lim.dim, "actuator": lim.actuator, "low": lim.low, "high": lim.high,
@@ -117,7 +149,8 @@ def run_task(task: str, episodes: int, log=print) -> tuple[dict, dict, dict]:
     return best, sweep, meta
 
 
-KEYS = ("success_rate", "violation_rate", "nonfinite_rate", "qpos_violation_rate", "violation_mean", "violation_max",
+KEYS = ("success_rate", "violation_rate", "nonfinite_rate", "state_violation_rate", "state_violation_max",
+        "violation_mean", "violation_max",
         "clean_success_rate", "chunk_violation_frac", "scale", "mean_steps", "ms_per_chunk", "ms_per_chunk_batched",
         "nfe_per_chunk", "backward_per_chunk", "episodes", "options")
 
@@ -139,7 +172,7 @@ def table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], 
         out.append(md_table(["method", "scale", "success", "violation", "clean success", "qpos viol.",
                              "mean excess", "chunk entries outside", "diverged", "ms/chunk", "NFE"],
                             [[m, r["scale"], r["success_rate"], r["violation_rate"], r["clean_success_rate"],
-                              r["qpos_violation_rate"], r["violation_mean"], r["chunk_violation_frac"], r["nonfinite_rate"], r["ms_per_chunk"],
+                              r["state_violation_rate"], r["violation_mean"], r["chunk_violation_frac"], r["nonfinite_rate"], r["ms_per_chunk"],
                               r["nfe_per_chunk"]] for m, r in rows.items()]))
     out += ["## Full sweep (success / violation per scale)", ""]
     rows = []
@@ -151,15 +184,49 @@ def table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], 
     return "\n".join(out)
 
 
-def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str) -> None:
-    """Merge the "adroit" sections into guidance.json (other sections kept), atomically."""
+def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], episodes: int) -> str:
+    out = ["# Guidance under a palm keep-out region (Adroit)", "",
+           f"Tiny flow policies (50 DAPG demos, 3000 steps, H=16, 8 executed), {episodes} episodes per row "
+           f"(seeds {SEED}..{SEED + episodes - 1}, same sampler noise for every method). The palm (site S_grasp) "
+           "must stay out of a ball placed on the unguided policy's own approach path (train/constrained_eval.py "
+           "`KEEPOUTS`). The cost (1e4 nats per m^2 inside radius + 2 cm) is on the palm path that a servo model "
+           "(linear, fitted on random commands) predicts for the chunk from the current joint state, through "
+           "exact forward kinematics of the MuJoCo model. *violation*: the actual palm came more than 1 cm "
+           "inside the ball at some step; *clean*: success without violation; *clip* is the minimal-change "
+           "safety filter on each executed command (Newton steps until the palm, holding the command for 4 "
+           "steps, is predicted 2 cm clear): a clamp of the action cannot express this constraint. Per method "
+           "the scale with the best clean success (then fewer violations) is shown; the full sweep is below and "
+           "in guidance.json (`adroit_keepout_sweep`). ms/chunk: one observation, 1 CPU thread.", ""]
+    for task, rows in best.items():
+        c = meta[task]["constraint"]
+        out += [f"## adroit/{task}: ball of {c['radius'] * 100:g} cm around {c['center']} ({c['why']}); "
+                f"servo model one-step R^2 {min(c['servo_r2']):.2f}-{max(c['servo_r2']):.2f}", ""]
+        out.append(md_table(["method", "scale", "success", "violation", "clean success", "deepest (cm)",
+                             "mean steps", "diverged", "ms/chunk", "backward/chunk"],
+                            [[m, r["scale"], r["success_rate"], r["violation_rate"], r["clean_success_rate"],
+                              100 * r["state_violation_max"], r["mean_steps"], r["nonfinite_rate"], r["ms_per_chunk"],
+                              r["backward_per_chunk"]] for m, r in rows.items()]))
+    out += ["## Full sweep (success / violation / clean per scale)", ""]
+    rows = []
+    for task, methods in sweep.items():
+        for m, runs in methods.items():
+            rows.append([task, m] + ["; ".join(f"{r['scale']:g}: {r['success_rate']:.2f} / {r['violation_rate']:.2f}"
+                                               f" / {r['clean_success_rate']:.2f}" for r in runs)])
+    out.append(md_table(["task", "method", "scale: success / violation / clean"], rows))
+    return "\n".join(out)
+
+
+def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: str = "joint_limits") -> None:
+    """Merge the "adroit" (or "adroit_keepout") sections into guidance.json (other sections kept), atomically."""
+    sec = "adroit" if kind == "joint_limits" else "adroit_keepout"
     merge_json(RESULTS / "guidance.json", {
-        "adroit": {t: {m: {k: r.get(k) for k in KEYS} for m, r in ms.items()} for t, ms in best.items()},
-        "adroit_sweep": {t: {m: [{k: r.get(k) for k in KEYS} for r in runs] for m, runs in ms.items()}
+        sec: {t: {m: {k: r.get(k) for k in KEYS} for m, r in ms.items()} for t, ms in best.items()},
+        f"{sec}_sweep": {t: {m: [{k: r.get(k) for k in KEYS} for r in runs] for m, runs in ms.items()}
                          for t, ms in sweep.items()},
-        "adroit_meta": {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHT, "tol": TOL,
+        f"{sec}_meta": {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHTS[kind],
+                        "tol": TOL if kind == "joint_limits" else KEEPOUTS[next(iter(KEEPOUTS))].tol,
                         "machine": machine(), "threads": torch.get_num_threads()}})
-    md = RESULTS / "guidance_adroit.md"
+    md = RESULTS / ("guidance_adroit.md" if kind == "joint_limits" else "guidance_adroit_keepout.md")
     tmp_md = md.with_suffix(".md.tmp")
     tmp_md.write_text(text)
     os.replace(tmp_md, md)
@@ -167,7 +234,9 @@ def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--kind", default="joint_limits", choices=list(KIND_TASKS))
+    ap.add_argument("--tasks", nargs="*", default=None, choices=list(TASKS),
+                    help="default: every task of --kind (keepout: door, relocate)")
     ap.add_argument("--episodes", type=int, default=20)
     ap.add_argument("--no-write", action="store_true", help="print only; keep the result files")
     a = ap.parse_args()
@@ -176,12 +245,17 @@ def main() -> None:
     np.random.seed(0)
     t0 = time.time()
     best, sweep, meta = {}, {}, {}
-    for task in a.tasks:
-        best[task], sweep[task], meta[task] = run_task(task, a.episodes)
-    text = table(best, meta, sweep, a.episodes) + f"\nTotal wall time {time.time() - t0:.0f} s.\n"
+    tasks = a.tasks or KIND_TASKS[a.kind]
+    bad = [t for t in tasks if t not in KIND_TASKS[a.kind]]
+    if bad:
+        ap.error(f"no {a.kind} constraint for {bad}; valid: {KIND_TASKS[a.kind]}")
+    for task in tasks:
+        best[task], sweep[task], meta[task] = run_task(task, a.episodes, kind=a.kind)
+    tab = keepout_table if a.kind == "keepout" else table
+    text = tab(best, meta, sweep, a.episodes) + f"\nTotal wall time {time.time() - t0:.0f} s.\n"
     print(text)
     if not a.no_write:
-        save(best, sweep, meta, a.episodes, text)
+        save(best, sweep, meta, a.episodes, text, a.kind)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def test_guided_chunks_keep_the_limit_and_leave_other_joints(policy, observation
 def test_evaluation_runs_seeded_and_clip_never_violates(policy):
     a = ce.evaluate_constrained(policy, f"adroit/{TASK}", "none", 0.0, episodes=2, seed=5, latency_calls=1)
     b = ce.evaluate_constrained(policy, f"adroit/{TASK}", "none", 0.0, episodes=2, seed=5, latency_calls=1)
-    for k in ("success_rate", "violation_rate", "violation_mean", "qpos_violation_rate", "mean_steps"):
+    for k in ("success_rate", "violation_rate", "violation_mean", "state_violation_rate", "mean_steps"):
         assert a[k] == b[k], k
     clipped = ce.evaluate_constrained(policy, f"adroit/{TASK}", "clip", 0.0, episodes=2, seed=5, latency_calls=0)
     assert clipped["violation_rate"] == 0.0 and clipped["violation_max"] == 0.0

@@ -1,29 +1,44 @@
-"""Guided evaluation under joint limits the Adroit demos never show.
+"""Guided evaluation under constraints the Adroit demos never show.
 
-A flow policy trained on DAPG expert demos is asked to run with *tighter* limits on two joints
-the experts use widely (a worn joint, a cable that must not be stretched, a shared workspace).
-Each limit removes 35% of the joint's demonstrated action range on one side, so 16-52% of the
-demo frames break it: the demos never show how to do the task inside it.
+Two kinds of constraint, both with the same evaluation, methods and counters:
 
-Units: limits are in the env's action units ([-1, 1] per actuator; the env maps ``a`` to the
-position-servo target ``act_mean + a * act_rng`` of the actuator's joint). The guidance cost is
+* **Joint limits** (``CONSTRAINTS``): a flow policy trained on DAPG expert demos is asked to run
+  with *tighter* limits on two joints the experts use widely (a worn joint, a cable that must not
+  be stretched). Each limit removes 35% of the joint's demonstrated action range on one side, so
+  16-52% of the demo frames break it. A clamp of the executed action satisfies these by
+  construction, so they cannot show what guidance adds; they stay as the easy case.
+* **Keep-out regions** (``KEEPOUTS``): the palm (site ``S_grasp``) must stay out of a ball placed
+  on the policy's own approach path (a fixture, a camera, a person's hand). The palm position is
+  a nonlinear function of several arm and wrist joints (``envs.kinematics.SiteKinematics``), the
+  feasible set is not convex, and a servo drives the joints along a path *between* commands, so
+  no per-action clamp can keep the palm out: the ``clip`` baseline here is the minimal-change
+  safety filter that moves each executed command's equilibrium palm out of the ball (Newton
+  steps on the distance), and the violation is measured on the *actual* palm position.
+
+Units: joint limits are in the env's action units ([-1, 1] per actuator; the env maps ``a`` to the
+position-servo target ``act_mean + a * act_rng`` of the actuator's joint). Their guidance cost is
 ``LimitCost`` on the constrained dims of the *unnormalized* chunk (all H steps, not only the
 executed ones, so the plan stays coherent): ``weight * sum relu(a - high)^2 + relu(low - a)^2``
-nats, weight in nats per action-unit^2.
+nats, weight in nats per action-unit^2. Keep-out balls are in metres (world frame); their cost is
+``ObstacleCost`` on the palm path implied by the chunk: the equilibrium palm of each commanded
+step and two points on each joint-space segment between consecutive commands, starting from the
+current joint positions, with ``margin`` metres of clearance for servo lag; weight in nats per m^2.
 
-What counts as a violation (documented choice): an episode violates when any *executed* action
-leaves ``[low - tol, high + tol]`` on a constrained dim (``tol`` = 0.02 action units, 1% of the
-actuator's range), or when the sampler returns a non-finite chunk (the episode then ends as a
-failure; counted in ``nonfinite_rate``). The resulting joint position is reported too (``qpos_violation_rate``): the
-joint's ``qpos`` is mapped back to the action whose servo equilibrium it is (``_servo_map``) and
-tested against the same limits with tolerance ``qpos_tol`` (action units). A servo lags, is
-pushed by gravity and contacts, and some Adroit servos are weak (hammer's and pen's wrist: kp =
-10), so an action inside the limit need not keep the joint inside it, and the other way round.
+What counts as a violation (documented choice): joint limits -- an episode violates when any
+*executed* action leaves ``[low - tol, high + tol]`` on a constrained dim (``tol`` = 0.02 action
+units, 1% of the actuator's range); the joint position, mapped through its servo
+(``_servo_map``), is reported too (``state_violation_rate``, tolerance ``qpos_tol``). Keep-out --
+an episode violates when the actual palm comes more than ``tol`` (1 cm) inside the ball at any
+step (``state_violation_rate`` is then the primary figure; ``command_violation_rate`` tests the
+commanded equilibria). Either way a non-finite chunk ends the episode as a failure that violates
+(``nonfinite_rate``). A servo lags, is pushed by gravity and contacts, and some Adroit servos are
+weak (hammer's and pen's wrist: kp = 10), so a command inside the constraint need not keep the
+joint or the palm inside it, and the other way round.
 
-Methods: ``none`` (unguided), ``clip`` (unguided, then the executed action is clamped to the
-limits -- what a user tries first; it never violates the action limit by construction), any
-cost-guidance method of ``guidance.METHODS`` (``coupled``, ``velocity_gradient``,
-``state_gradient``, ``pnp_renoise``), and ``<method>+clip`` (guided, then clamped).
+Methods: ``none`` (unguided), ``clip`` (unguided, then the executed action is clamped / filtered
+-- what a user tries first), any cost-guidance method of ``guidance.METHODS`` (``coupled``,
+``velocity_gradient``, ``state_gradient``, ``pnp_renoise``), and ``<method>+clip`` (guided, then
+clamped / filtered).
 """
 
 from __future__ import annotations
@@ -39,7 +54,9 @@ from torch import Tensor
 import envs
 import guidance
 from envs.errors import InvalidOptionError, UnknownEnvError
-from guidance.costs import LimitCost
+from envs.kinematics import SiteKinematics
+from guidance.costs import LimitCost, ObstacleCost
+from guidance.geometry import Sphere
 
 TOL = 0.02
 """action-unit tolerance of the violation test (1% of an actuator's [-1, 1] range)"""
@@ -102,6 +119,33 @@ class AdroitConstraint:
                 raise RuntimeError(f"adroit/{self.task}: action dim {lim.dim} drives {name!r}, the "
                                    f"constraint was derived for {lim.actuator!r} (gymnasium-robotics changed?)")
 
+    # ---- the interface the rollouts use (shared with KeepOut) ----------------------------------
+    kind = "joint_limits"
+    primary = "command"   # the violation that counts: the executed command
+    tol, state_tol = TOL, QPOS_TOL
+
+    def bind(self, env: Any) -> None:
+        self.check_env(env)
+        object.__setattr__(self, "_servo", _servo_map(env, self.dims))
+
+    def cost(self, policy: Any, weight: float) -> LimitCost:
+        return limit_cost(policy, self, weight)
+
+    def before_sample(self, cost: Any, pool: Sequence[Any]) -> None:
+        """Nothing per call: the limits do not depend on where the robot is."""
+
+    def filter(self, action: np.ndarray, env: Any) -> np.ndarray:
+        return self.clip(action)
+
+    def command_excess(self, actions: np.ndarray) -> np.ndarray:
+        """Excess per constrained dim, ``(..., k)`` action units (0 inside)."""
+        return self.excess(actions)
+
+    def state_excess(self, env: Any) -> float:
+        adr, (k_servo, act_mean, act_rng) = self._servo
+        v = (env.unwrapped_mujoco.data.qpos[adr] / k_servo - act_mean) / act_rng
+        return float(np.maximum(0.0, np.maximum(v - self.high, self.low - v)).max())
+
 
 def derive_limit(actions: np.ndarray, dim: int, side: str, shrink: float = SHRINK) -> tuple[float, float]:
     """``(low, high)`` removing ``shrink`` of the demo range ``[min, max]`` of ``actions[:, dim]``
@@ -152,13 +196,228 @@ CONSTRAINTS: dict[str, AdroitConstraint] = {
 }
 
 
-def constraint_for(env_id: str) -> AdroitConstraint:
-    """The constraint of ``adroit/<task>`` (or ``<task>``)."""
+@dataclass(frozen=True)
+class ServoModel:
+    """Linear model of Adroit's position servos over one control step (``dt`` s), joints coupled.
+
+    Features ``f = [v, q_eq(u) - q, 1]`` (``v = qvel * dt``, ``q_eq`` the commanded equilibrium):
+    ``q' = q + f Wq`` and ``v' = f Wv``. Adroit's policies command targets far ahead of the arm
+    (the commanded equilibrium palm is 0.1-0.7 m from the actual palm along an episode), so where
+    the palm *goes* over a chunk needs this lag, not the equilibria. Fitted by least squares on
+    random held commands (``fit_servo``), not on any policy's or expert's data; ``r2`` per joint
+    says how much of the one-step motion it explains. Measured on unguided policy rollouts (4
+    episodes, seeds 7000+): palm error after 4 / 8 commands, median 1.7 / 5.1 cm (door),
+    1.1 / 3.1 cm (relocate); a per-joint (diagonal) model did as well on door and worse on relocate."""
+
+    wq: Tensor        # (2k + 1, k)
+    wv: Tensor        # (2k + 1, k)
+    dt: float
+    r2: tuple[float, ...]
+
+    def rollout(self, q: Tensor, v: Tensor, q_eq: Tensor) -> Tensor:
+        """Joint positions (B, H, k) after each of H commands ``q_eq`` (B, H, k) from ``q``, ``v`` (B, k)."""
+        wq, wv = self.wq.to(q.dtype), self.wv.to(q.dtype)
+        one = torch.ones((*q.shape[:-1], 1), dtype=q.dtype)
+        out = []
+        for h in range(q_eq.shape[1]):
+            f = torch.cat([v, q_eq[:, h] - q, one], -1)
+            q, v = q + f @ wq, f @ wv
+            out.append(q)
+        return torch.stack(out, 1)
+
+
+def fit_servo(env: Any, keepout: "KeepOut", episodes: int = 40, steps: int = 60, seed: int = 100) -> ServoModel:
+    """Fit ``ServoModel`` for the joints that move the palm: each episode holds random commands
+    (uniform in [-1, 1] on those actuators, others at 0) for 1-8 steps at a time."""
+    rng = np.random.default_rng(seed)
+    u = env.unwrapped_mujoco
+    dt = float(u.model.opt.timestep) * int(getattr(u, "frame_skip", 1))
+    adr, vadr, dims = keepout.adr.numpy(), keepout.vadr.numpy(), keepout.dims.numpy()
+    feats, dq, vn = [], [], []
+    adim = env.action_space.shape[0]
+    for ep in range(episodes):
+        env.reset(seed=seed + ep)
+        hold, action = 0, np.zeros(adim, np.float32)
+        for _ in range(steps):
+            if hold == 0:
+                action = np.zeros(adim, np.float32)
+                action[dims] = rng.uniform(-1, 1, len(dims))
+                hold = int(rng.integers(1, 9))
+            hold -= 1
+            q, v = u.data.qpos[adr].copy(), u.data.qvel[vadr] * dt
+            q_eq = keepout.equilibrium_qpos(torch.as_tensor(action))[adr].numpy()
+            env.step(action)
+            feats.append(np.concatenate([v, q_eq - q, [1.0]]))
+            dq.append(u.data.qpos[adr] - q)
+            vn.append(u.data.qvel[vadr] * dt)
+    X, Yq, Yv = (np.asarray(x, dtype=np.float64) for x in (feats, dq, vn))
+    wq, *_ = np.linalg.lstsq(X, Yq, rcond=None)
+    wv, *_ = np.linalg.lstsq(X, Yv, rcond=None)
+    resid = ((X @ wq - Yq) ** 2).sum(0) / np.maximum(((Yq - Yq.mean(0)) ** 2).sum(0), 1e-12)
+    return ServoModel(torch.as_tensor(wq, dtype=torch.float32), torch.as_tensor(wv, dtype=torch.float32),
+                      dt, tuple(float(1 - r) for r in resid))
+
+
+class _PalmPath:
+    """Normalized chunk (B, H, A) -> palm positions (B, H, 3) after each command, predicted by the
+    servo model from where each robot is now (``start``: qpos and qvel, set before each call)."""
+
+    def __init__(self, keepout: "KeepOut", policy: Any) -> None:
+        self.keepout, self.unaction = keepout, policy.normalizer.unaction
+        self.action_dim = int(policy.config.action_dim)
+        self.start: tuple[Tensor, Tensor] | None = None
+
+    def check(self, event_shape: tuple[int, ...]) -> None:
+        if len(event_shape) != 2 or event_shape[1] != self.action_dim:
+            raise InvalidOptionError(f"keep-out cost expects chunks (H, {self.action_dim}); got "
+                                     f"per-sample shape {tuple(event_shape)}")
+        if self.start is None:
+            raise InvalidOptionError("keep-out cost: the robot's current joint state is not set "
+                                     "(KeepOut.before_sample(cost, envs) before sampling)")
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.keepout.predict_palm(self.unaction(x), *self.start)
+
+
+@dataclass
+class KeepOut:
+    """Keep the palm (site ``site``) out of a ball of ``radius`` metres around ``center`` (world).
+
+    ``margin`` metres of extra clearance go into the cost and the safety filter (the servo model is
+    approximate); the violation is tested at ``radius - tol`` on the actual palm. Built lazily from
+    the env (``bind``): the site's kinematics, the servos of the joints that move it and a servo
+    model fitted on random commands."""
+
+    task: str
+    center: tuple[float, float, float]
+    radius: float
+    why: str
+    site: str = "S_grasp"
+    margin: float = 0.02
+    lookahead: int = 4
+    """steps the safety filter looks ahead while holding the command"""
+
+    kind = "keepout"
+    primary = "state"     # the violation that counts: where the palm actually went
+    tol = state_tol = 0.01
+
+    def bind(self, env: Any) -> None:
+        if getattr(self, "servo", None) is not None:
+            return
+        model = env.unwrapped_mujoco.model
+        self.fk = SiteKinematics(model, self.site)
+        moving = set(self.fk.qpos_adr)
+        dims = [d for d in range(model.nu) if int(model.jnt_qposadr[model.actuator_trnid[d, 0]]) in moving]
+        adr, servo = _servo_map(env, dims)
+        jnt = [int(model.actuator_trnid[d, 0]) for d in dims]
+        self.dims = torch.as_tensor(dims, dtype=torch.long)
+        self.adr = torch.as_tensor(adr, dtype=torch.long)
+        self.vadr = torch.as_tensor([int(model.jnt_dofadr[j]) for j in jnt], dtype=torch.long)
+        self.servo_map = torch.as_tensor(servo, dtype=torch.float32)     # (3, k): gain ratio, act_mean, act_rng
+        self.qpos0 = torch.as_tensor(model.qpos0, dtype=torch.float32)
+        self.center_t = torch.as_tensor(self.center, dtype=torch.float32)
+        fit_env = envs.make(f"adroit/{self.task}")  # its own env: fitting must not move the caller's
+        try:
+            self.servo = fit_servo(fit_env, self)
+        finally:
+            fit_env.close()
+
+    def equilibrium_qpos(self, actions: Tensor) -> Tensor:
+        """Joint positions (..., nq) the servos pull toward for ``actions`` (..., A) (action units);
+        joints that do not move the palm stay at ``qpos0``. Not clamped to the joint range: past it
+        the servo still pulls harder (the clamped version predicted door's palm 2x worse)."""
+        k, mean, rng = self.servo_map.to(actions.dtype)
+        a = actions[..., self.dims].clamp(-1.0, 1.0)
+        q_arm = k * (mean + a * rng)
+        q = self.qpos0.to(actions.dtype).expand(*actions.shape[:-1], -1).clone()
+        q[..., self.adr] = q_arm
+        return q
+
+    def predict_palm(self, actions: Tensor, qpos: Tensor, qvel: Tensor) -> Tensor:
+        """Palm positions (B, H, 3) after each of the commands ``actions`` (B, H, A), from joint
+        state ``qpos``/``qvel`` (B, nq) (or (1, nq)), by the fitted servo model."""
+        b = actions.shape[0]
+        q_eq = self.equilibrium_qpos(actions)[..., self.adr]
+        q0 = qpos[:, self.adr].to(actions.dtype).expand(b, -1)
+        v0 = (qvel[:, self.vadr] * self.servo.dt).to(actions.dtype).expand(b, -1)
+        q_arm = self.servo.rollout(q0, v0, q_eq)
+        full = self.qpos0.to(actions.dtype).expand(*q_arm.shape[:-1], -1).clone()
+        full[..., self.adr] = q_arm
+        return self.fk(full)
+
+    def cost(self, policy: Any, weight: float) -> ObstacleCost:
+        """``weight`` nats per m^2 of predicted penetration into the ball grown by ``margin``."""
+        return ObstacleCost(_PalmPath(self, policy), [Sphere(torch.as_tensor(self.center), self.radius)],
+                            margin=self.margin, weight=weight)
+
+    @staticmethod
+    def _joint_state(pool: Sequence[Any]) -> tuple[Tensor, Tensor]:
+        return (torch.as_tensor(np.stack([e.unwrapped_mujoco.data.qpos for e in pool]), dtype=torch.float32),
+                torch.as_tensor(np.stack([e.unwrapped_mujoco.data.qvel for e in pool]), dtype=torch.float32))
+
+    def before_sample(self, cost: Any, pool: Sequence[Any]) -> None:
+        """The predicted path starts where each robot is now."""
+        if cost is not None:
+            cost.path_fn.start = self._joint_state(pool)
+
+    def filter(self, action: np.ndarray, env: Any, iters: int = 10) -> np.ndarray:
+        """The minimal-change safety filter: Newton steps on the worst predicted clearance move the
+        command until the palm, holding it for ``lookahead`` steps from the current joint state,
+        stays ``margin`` outside the ball."""
+        qpos, qvel = self._joint_state([env])
+        a = torch.as_tensor(np.clip(action, -1.0, 1.0), dtype=torch.float32)
+        want = self.radius + self.margin
+        for _ in range(iters):
+            a = a.detach().requires_grad_(True)
+            path = self.predict_palm(a.expand(1, self.lookahead, -1), qpos, qvel)
+            gap = want - torch.linalg.norm(path - self.center_t, dim=-1).min()
+            if gap.item() <= 0:
+                break
+            (g,) = torch.autograd.grad(gap, a)
+            n2 = float((g * g).sum())
+            if n2 < 1e-12:
+                break
+            a = (a - (gap.item() + 1e-3) * g / n2).clamp(-1.0, 1.0)
+        return a.detach().numpy().astype(np.float32)
+
+    def command_excess(self, actions: np.ndarray) -> np.ndarray:
+        """Depth (m) of each command's equilibrium palm inside the ball, ``(..., 1)`` (0 outside):
+        where the palm would settle if the command were held."""
+        with torch.no_grad():
+            p = self.fk(self.equilibrium_qpos(torch.as_tensor(np.asarray(actions), dtype=torch.float32)))
+        return torch.relu(self.radius - torch.linalg.norm(p - self.center_t, dim=-1))[..., None].numpy()
+
+    def state_excess(self, env: Any) -> float:
+        p = env.unwrapped_mujoco.data.site(self.site).xpos
+        return max(0.0, self.radius - float(np.linalg.norm(p - np.asarray(self.center))))
+
+
+# Placed on the unguided policy's own path (runs/bench_guidance_adroit/<task>, 10 episodes on
+# seeds 7000-7009, apart from the evaluation seeds 3000+): the centre is the median palm position
+# a quarter of the way through the episode, where the arm lifts toward the handle (door) or
+# swings toward the ball (relocate). Door: all 10 placement paths pass within 5 cm of the centre;
+# the straight line from the start to the handle passes 12 cm from it, so the task stays feasible.
+# Relocate: 8 of 10 pass within 5 cm. Hammer and pen have no arm translation (the palm barely
+# moves before the grasp), so a keep-out region there would block the task instead of re-routing it.
+KEEPOUTS: dict[str, KeepOut] = {
+    "door": KeepOut("door", (-0.021, -0.005, 0.325), 0.06,
+                    "a fixture above the door handle: reach the handle from below"),
+    "relocate": KeepOut("relocate", (-0.014, -0.096, 0.199), 0.05,
+                        "an obstacle between the start pose and the ball"),
+}
+KINDS = {"joint_limits": CONSTRAINTS, "keepout": KEEPOUTS}
+
+
+def constraint_for(env_id: str, kind: str = "joint_limits") -> AdroitConstraint | KeepOut:
+    """The constraint of kind ``kind`` ("joint_limits" or "keepout") of ``adroit/<task>`` (or ``<task>``)."""
+    if kind not in KINDS:
+        raise InvalidOptionError(f"unknown constraint kind {kind!r}; valid: {', '.join(KINDS)}")
+    table = KINDS[kind]
     task = env_id.split("/", 1)[1] if isinstance(env_id, str) and env_id.startswith("adroit/") else env_id
-    if not isinstance(task, str) or task not in CONSTRAINTS:
-        raise UnknownEnvError(f"no joint-limit constraint for env {env_id!r}; valid: "
-                              f"{', '.join('adroit/' + t for t in CONSTRAINTS)}")
-    return CONSTRAINTS[task]
+    if not isinstance(task, str) or task not in table:
+        raise UnknownEnvError(f"no {kind} constraint for env {env_id!r}; valid: "
+                              f"{', '.join('adroit/' + t for t in table)}")
+    return table[task]
 
 
 class _ConstrainedDims:
@@ -196,15 +455,15 @@ def _parse_method(method: str) -> tuple[str, bool]:
     return method, False
 
 
-def make_guide(policy: Any, constraint: AdroitConstraint, method: str, scale: float,
+def make_guide(policy: Any, constraint: AdroitConstraint | KeepOut, method: str, scale: float,
                weight: float = 100.0, options: dict | None = None) -> guidance.Guidance | None:
-    """The guidance object for ``method`` at ``scale`` (None: unguided)."""
+    """The guidance object for ``method`` at ``scale`` (None: unguided); its cost is ``guide.cost``."""
     base, _ = _parse_method(method)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not np.isfinite(scale) or scale < 0:
         raise InvalidOptionError(f"scale must be a finite number >= 0; got {scale!r}")
     if base == "none" or scale == 0:
         return None
-    return guidance.make(base, cost=limit_cost(policy, constraint, weight), scale=float(scale), **(options or {}))
+    return guidance.make(base, cost=constraint.cost(policy, weight), scale=float(scale), **(options or {}))
 
 
 def _batch(policy: Any, observations: Sequence[dict]) -> dict[str, Any]:
@@ -247,23 +506,17 @@ def _servo_map(env: Any, dims: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     return adr, np.stack([k, np.asarray(mujoco_env.act_mean)[dims], np.asarray(mujoco_env.act_rng)[dims]])
 
 
-def _embed(values: np.ndarray, dims: Sequence[int], action_dim: int) -> np.ndarray:
-    out = np.zeros(action_dim)
-    out[list(dims)] = values
-    return out
-
-
-def _rollouts(policy: Any, constraint: AdroitConstraint, pool: list, guide: guidance.Guidance | None, clip: bool,
-              episodes: int, seed: int, tol: float, latency_calls: int) -> dict[str, Any]:
+def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, guide: guidance.Guidance | None,
+              clip: bool, episodes: int, seed: int, latency_calls: int) -> dict[str, Any]:
     """Lockstep rollouts of ``episodes`` envs of ``pool``; raw per-episode arrays and counters."""
-    constraint.check_env(pool[0])
+    constraint.bind(pool[0])
     adim = pool[0].action_space.shape[0]
     if int(policy.config.action_dim) != adim:
         raise InvalidOptionError(f"policy action_dim {policy.config.action_dim} != adroit/{constraint.task} "
                                  f"action dim {adim}")
-    adr, (k_servo, act_mean, act_rng) = _servo_map(pool[0], constraint.dims)
     H, n_exec = int(policy.config.horizon), int(policy.config.n_exec)
     gen = torch.Generator().manual_seed(int(seed))
+    cost = None if guide is None else guide.cost
 
     obs = [e.reset(seed=seed + i)[0] for i, e in enumerate(pool)]
     first_obs = list(obs)
@@ -271,10 +524,10 @@ def _rollouts(policy: Any, constraint: AdroitConstraint, pool: list, guide: guid
     success = np.zeros(episodes, bool)
     steps = np.zeros(episodes, int)
     nonfinite = np.zeros(episodes, bool)  # a chunk with NaN/inf: the episode fails there
-    a_max = np.zeros(episodes)        # largest executed excess (action units)
+    a_max = np.zeros(episodes)        # largest executed excess (constraint units)
     a_sum = np.zeros(episodes)        # summed executed excess over steps and dims
-    q_max = np.zeros(episodes)        # largest joint-position excess (action units, via the servo map)
-    chunk_viol = chunk_entries = 0    # sampled chunk entries outside the limits (before any clip)
+    q_max = np.zeros(episodes)        # largest excess of the robot's state (joint position or palm)
+    chunk_viol = chunk_entries = 0    # sampled chunk entries outside the constraint (before any clip)
     nfe = n_backward = calls = n_chunks = 0
     t_batched = 0.0
     queues: list[list[np.ndarray]] = [[] for _ in range(episodes)]
@@ -285,9 +538,10 @@ def _rollouts(policy: Any, constraint: AdroitConstraint, pool: list, guide: guid
             break
         if step % n_exec == 0:
             noise = torch.randn(episodes, H, adim, generator=gen)[idx]
+            constraint.before_sample(cost, [pool[i] for i in idx])
             chunks, st, dt = sample_chunks(policy, [obs[i] for i in idx], guide, noise)
-            ex = constraint.excess(chunks)
-            chunk_viol += int((ex > tol).sum())
+            ex = constraint.command_excess(np.nan_to_num(chunks))
+            chunk_viol += int((ex > constraint.tol).sum())
             chunk_entries += ex.size
             nfe += st.nfe
             n_backward += st.n_backward
@@ -302,15 +556,13 @@ def _rollouts(policy: Any, constraint: AdroitConstraint, pool: list, guide: guid
         for episode in np.flatnonzero(active):
             action = queues[episode].pop(0)
             if clip:
-                action = constraint.clip(action)
+                action = constraint.filter(action, pool[episode])
             action = np.clip(action, -1.0, 1.0)  # what the env executes anyway
-            ex = constraint.excess(action)
+            ex = constraint.command_excess(action)
             a_max[episode] = max(a_max[episode], float(ex.max()))
             a_sum[episode] += float(ex.sum())
             obs[episode], _, _, trunc, info = pool[episode].step(action)
-            q_as_action = (pool[episode].unwrapped_mujoco.data.qpos[adr] / k_servo - act_mean) / act_rng
-            qx = constraint.excess(_embed(q_as_action, constraint.dims, adim))
-            q_max[episode] = max(q_max[episode], float(qx.max()))
+            q_max[episode] = max(q_max[episode], constraint.state_excess(pool[episode]))
             steps[episode] += 1
             if info["success"]:
                 success[episode] = True
@@ -319,6 +571,7 @@ def _rollouts(policy: Any, constraint: AdroitConstraint, pool: list, guide: guid
                 active[episode] = False
     latency = []
     for observation in first_obs[:max(0, latency_calls)]:
+        constraint.before_sample(cost, pool[:1])  # timing only: the path starts where env 0 ended
         _, _, dt = sample_chunks(policy, [observation], guide, torch.randn(1, H, adim, generator=gen))
         latency.append(dt)
     return {"success": success, "steps": steps, "nonfinite": nonfinite, "a_max": a_max, "a_sum": a_sum, "q_max": q_max,
@@ -327,23 +580,28 @@ def _rollouts(policy: Any, constraint: AdroitConstraint, pool: list, guide: guid
 
 
 def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: float = 0.0, episodes: int = 20,
-                         seed: int = 3000, weight: float = 100.0, options: dict | None = None, tol: float = TOL,
-                         qpos_tol: float = QPOS_TOL, latency_calls: int = 5,
-                         env_pool: list | None = None) -> dict[str, Any]:
-    """Success and limit violations of ``policy`` on ``env_id`` under its tighter joint limits.
+                         seed: int = 3000, weight: float = 100.0, options: dict | None = None,
+                         tol: float | None = None, state_tol: float | None = None, latency_calls: int = 5,
+                         env_pool: list | None = None, kind: str = "joint_limits") -> dict[str, Any]:
+    """Success and constraint violations of ``policy`` on ``env_id`` under the constraint of
+    ``kind`` ("joint_limits": tighter joint limits, "keepout": a palm keep-out ball).
 
     Episodes run in lockstep (episode ``i`` on seed ``seed + i``), one batched sampler call per
     chunk boundary for all running episodes; the initial noise of every call comes from a
     generator seeded with ``seed``, so methods are compared on the same noise. ``ms_per_chunk``
     is the median of ``latency_calls`` single-observation calls (what a robot waits), and
     ``ms_per_chunk_batched`` the amortized time in the batched rollouts. ``env_pool``: reuse
-    already made envs (at least ``episodes`` of ``env_id``).
+    already made envs (at least ``episodes`` of ``env_id``). ``tol`` / ``state_tol``: the
+    constraint's own tolerances unless given (its units). ``violation_rate`` counts the
+    constraint's primary measure (joint limits: the executed command; keep-out: the actual palm).
     """
-    constraint = constraint_for(env_id)
+    constraint = constraint_for(env_id, kind)
     env_id = f"adroit/{constraint.task}"
     _parse_method(method)
     if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
         raise InvalidOptionError(f"episodes must be an integer >= 1; got {episodes!r}")
+    tol = constraint.tol if tol is None else float(tol)
+    state_tol = constraint.state_tol if state_tol is None else float(state_tol)
     guide = make_guide(policy, constraint, method, scale, weight, options)
     clip = _parse_method(method)[1]
     own = env_pool is None
@@ -351,26 +609,30 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
     if len(pool) < episodes:
         raise InvalidOptionError(f"env_pool holds {len(pool)} envs, need {episodes}")
     try:
-        raw = _rollouts(policy, constraint, pool, guide, clip, episodes, seed, tol, latency_calls)
+        raw = _rollouts(policy, constraint, pool, guide, clip, episodes, seed, latency_calls)
     finally:
         if own:
             for env in pool:
                 env.close()
     success, steps, a_max, a_sum, q_max = (raw[k] for k in ("success", "steps", "a_max", "a_sum", "q_max"))
-    violated = (a_max > tol) | raw["nonfinite"]  # a NaN command is inside no limit
+    command_violated = (a_max > tol) | raw["nonfinite"]  # a NaN command is inside no constraint
+    state_violated = (q_max > state_tol) | raw["nonfinite"]
+    violated = command_violated if constraint.primary == "command" else state_violated
     chunk_viol, chunk_entries, nfe, n_backward, calls, n_chunks, t_batched, latency = (
         raw[k] for k in ("chunk_viol", "chunk_entries", "nfe", "n_backward", "calls", "n_chunks", "t_batched", "latency"))
     total_steps = int(steps.sum())
-    return {"env_id": env_id, "method": method, "scale": float(scale), "episodes": episodes, "seed": seed,
-            "weight": weight, "options": {k: (v.tolist() if isinstance(v, (Tensor, np.ndarray)) else v)
-                                          for k, v in (options or {}).items()},
+    per_step = len(constraint.dims) if constraint.kind == "joint_limits" else 1
+    return {"env_id": env_id, "kind": constraint.kind, "method": method, "scale": float(scale),
+            "episodes": episodes, "seed": seed, "weight": weight,
+            "options": {k: (v.tolist() if isinstance(v, (Tensor, np.ndarray)) else v) for k, v in (options or {}).items()},
             "success_rate": float(success.mean()),
             "violation_rate": float(violated.mean()),
+            "command_violation_rate": float(command_violated.mean()),
+            "state_violation_rate": float(state_violated.mean()),
             "nonfinite_rate": float(raw["nonfinite"].mean()),
-            "qpos_violation_rate": float((q_max > qpos_tol).mean()),
-            "violation_mean": float(a_sum.sum() / max(total_steps * len(constraint.dims), 1)),
+            "violation_mean": float(a_sum.sum() / max(total_steps * per_step, 1)),
             "violation_max": float(a_max.max()),
-            "qpos_violation_max": float(q_max.max()),
+            "state_violation_max": float(q_max.max()),
             "chunk_violation_frac": chunk_viol / max(chunk_entries, 1),
             "clean_success_rate": float((success & ~violated).mean()),
             "mean_steps": float(steps.mean()),
@@ -379,5 +641,6 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
             "ms_per_chunk_batched": 1000 * t_batched / max(n_chunks, 1)}
 
 
-__all__ = ["CONSTRAINTS", "METHODS", "GUIDED_METHODS", "AdroitConstraint", "JointLimit", "constraint_for",
+__all__ = ["CONSTRAINTS", "KEEPOUTS", "KINDS", "METHODS", "GUIDED_METHODS", "AdroitConstraint", "JointLimit",
+           "KeepOut", "constraint_for",
            "derive_limit", "evaluate_constrained", "limit_cost", "make_guide", "sample_chunks", "TOL", "QPOS_TOL"]

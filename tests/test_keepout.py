@@ -1,0 +1,161 @@
+"""A palm keep-out region on Adroit (train/constrained_eval.py ``KEEPOUTS``): exact site
+kinematics, a servo model that predicts where the palm goes, a safety filter that keeps the
+scripted expert out of the ball it otherwise enters, and guidance that plans chunks around it."""
+
+from __future__ import annotations
+
+import mujoco
+import numpy as np
+import pytest
+import torch
+
+import envs
+import policies
+from envs.errors import InvalidOptionError, UnknownEnvError
+from envs.kinematics import SiteKinematics
+from train import constrained_eval as ce
+from train.bc import TrainArgs, train
+from train.collect import CollectArgs, collect
+
+
+@pytest.mark.parametrize("task", ["door", "relocate"])
+def test_site_kinematics_match_mujoco(task):
+    env = envs.make(f"adroit/{task}")
+    model = env.unwrapped_mujoco.model
+    data = mujoco.MjData(model)
+    fk = SiteKinematics(model, "S_grasp")
+    rng = np.random.default_rng(0)
+    qs, want = [], []
+    for _ in range(10):
+        q = model.qpos0.copy()
+        for j in range(model.njnt):
+            if model.jnt_limited[j]:
+                q[model.jnt_qposadr[j]] = rng.uniform(*model.jnt_range[j])
+        data.qpos[:] = q
+        mujoco.mj_kinematics(model, data)
+        qs.append(q)
+        want.append(data.site("S_grasp").xpos.copy())
+    np.testing.assert_allclose(fk(torch.as_tensor(np.array(qs))).numpy(), np.array(want), atol=1e-9)
+    with pytest.raises(InvalidOptionError, match="S_grasp"):
+        SiteKinematics(model, "S_elbow")
+    env.close()
+
+
+def _expert_depth(task: str, seed: int, filtered: bool) -> tuple[float, bool]:
+    ko = ce.KEEPOUTS[task]
+    env = envs.make(f"adroit/{task}")
+    ko.bind(env)
+    expert = env.make_expert()
+    obs, _ = env.reset(seed=seed)
+    expert.reset(env, obs)
+    depth, success = 0.0, False
+    for _ in range(120):
+        action = expert.act(obs)
+        if filtered:
+            action = ko.filter(action, env)
+        obs, _, _, _, info = env.step(action)
+        depth = max(depth, ko.state_excess(env))
+        success = success or bool(info["success"])
+        if success:
+            break
+    env.close()
+    return depth, success
+
+
+def test_the_filter_keeps_the_expert_palm_out_of_the_ball():
+    # the door expert's palm passes 1-5 cm inside the ball; filtered, it stays out and still opens the door
+    for seed in (1, 2):
+        raw, _ = _expert_depth("door", seed, filtered=False)
+        kept, ok = _expert_depth("door", seed, filtered=True)
+        assert raw > 0.02, f"seed {seed}: the expert should enter the keep-out ball (depth {raw:.3f} m)"
+        assert kept <= ce.KEEPOUTS["door"].tol and ok, (seed, kept, ok)
+
+
+def test_servo_model_predicts_where_the_palm_goes():
+    ko = ce.KEEPOUTS["relocate"]
+    env = envs.make("adroit/relocate")
+    ko.bind(env)
+    assert min(ko.servo.r2) > 0.6, ko.servo.r2
+    rng = np.random.default_rng(5)
+    errors, moved = [], []
+    for seed in range(3):
+        env.reset(seed=50 + seed)
+        qpos, qvel = ko._joint_state([env])
+        start = env.unwrapped_mujoco.data.site("S_grasp").xpos.copy()
+        action = np.zeros(env.action_space.shape[0], np.float32)
+        action[ko.dims.numpy()] = rng.uniform(-0.6, 0.6, len(ko.dims))
+        pred = ko.predict_palm(torch.as_tensor(action).expand(1, 4, -1), qpos, qvel)[0, -1].numpy()
+        for _ in range(4):
+            env.step(action)
+        palm = env.unwrapped_mujoco.data.site("S_grasp").xpos
+        errors.append(np.linalg.norm(palm - pred))
+        moved.append(np.linalg.norm(palm - start))
+    env.close()
+    assert max(errors) < 0.3 * np.mean(moved), (errors, moved)  # far better than "the palm stays put"
+
+
+@pytest.fixture(scope="module")
+def door_policy(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keepout")
+    data = d / "demos.h5"
+    collect(CollectArgs(env="adroit/door", episodes=10, out=data, seed=0, progress=False))
+    train(TrainArgs(data=(data,), policy="flow", steps=400, batch_size=64, horizon=16, n_exec=8, out=d / "run",
+                    wandb="disabled", progress=False, seed=0, save_every=10_000))
+    return policies.load(d / "run" / "ckpt")
+
+
+def test_guided_chunks_plan_around_the_ball(door_policy):
+    """At states the expert visits on its way up, unguided chunks plan the palm through the ball;
+    coupled guidance (no network gradient) plans around it and leaves the fingers alone."""
+    ko = ce.KEEPOUTS["door"]
+    env = envs.make("adroit/door")
+    expert = env.make_expert()
+    obs_list, pool = [], []
+    for seed in range(4):
+        obs, _ = env.reset(seed=seed)
+        expert.reset(env, obs)
+        for t in range(13):
+            if t in (10, 12):  # a quarter of the way up to the handle: plans from here cross the ball
+                snap = envs.make("adroit/door")
+                snap.reset(seed=seed)
+                snap.unwrapped_mujoco.data.qpos[:] = env.unwrapped_mujoco.data.qpos
+                snap.unwrapped_mujoco.data.qvel[:] = env.unwrapped_mujoco.data.qvel
+                obs_list.append(obs)
+                pool.append(snap)
+            obs, *_ = env.step(expert.act(obs))
+    ko.bind(env)
+    noise = torch.randn(len(obs_list), door_policy.config.horizon, door_policy.config.action_dim,
+                        generator=torch.Generator().manual_seed(0))
+    guide = ce.make_guide(door_policy, ko, "coupled", 10.0, weight=1e4)
+    ko.before_sample(guide.cost, pool)
+    base, _, _ = ce.sample_chunks(door_policy, obs_list, None, noise)
+    guided, stats, _ = ce.sample_chunks(door_policy, obs_list, guide, noise)
+    qpos, qvel = ko._joint_state(pool)
+
+    def depth(chunks):
+        p = ko.predict_palm(torch.as_tensor(chunks), qpos, qvel)
+        return torch.relu(ko.radius - torch.linalg.norm(p - ko.center_t, dim=-1)).amax(1).numpy()
+
+    d_base, d_guided = depth(base), depth(guided)
+    assert d_base.max() > 0.02, f"unguided plans should cross the ball here (deepest {d_base.max():.3f} m)"
+    assert d_guided.mean() < 0.25 * d_base.mean(), (d_base, d_guided)   # measured: 0.033 m -> 0.005 m
+    assert d_guided.max() < 0.5 * d_base.max(), (d_base, d_guided)
+    assert stats.n_backward == 0 and stats.nfe == door_policy.config.flow_steps
+    fingers = [d for d in range(door_policy.config.action_dim) if d not in ko.dims.tolist()]
+    assert float(np.abs(guided - base)[..., fingers].mean()) < 0.5 * float(np.abs(guided - base)[..., ko.dims].mean())
+    for e in pool + [env]:
+        e.close()
+
+
+def test_keepout_evaluation_is_seeded_and_bad_input_is_named(door_policy):
+    a = ce.evaluate_constrained(door_policy, "adroit/door", "clip", 0.0, episodes=2, seed=5, latency_calls=0,
+                                kind="keepout")
+    b = ce.evaluate_constrained(door_policy, "adroit/door", "clip", 0.0, episodes=2, seed=5, latency_calls=0,
+                                kind="keepout")
+    assert a["kind"] == "keepout"
+    for k in ("success_rate", "violation_rate", "state_violation_max", "mean_steps"):
+        assert a[k] == b[k], k
+    with pytest.raises(UnknownEnvError, match="adroit/door"):
+        ce.constraint_for("adroit/pen", "keepout")
+    with pytest.raises(InvalidOptionError, match="keepout"):
+        ce.evaluate_constrained(door_policy, "adroit/door", "none", kind="forcefield")
