@@ -55,6 +55,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "coupled_sampled": ("coupled", {"step": "sampled", "n_particles": 32}),  # tilted-posterior IS
     "coupled_tilted_is": ("coupled", {"step": "tilted_is", "n_particles": 32}),  # IS around the line-search endpoint
     "coupled_renoise0.6": ("coupled", {"sigma": "jacobian", "renoise": 0.6}),  # Jacobian ls + DDIM-eta 0.6
+    "coupled_diag_renoise1": ("coupled", {"renoise": 1.0}),              # the default step + DDIM-eta 1 (no backward)
+    "coupled_diag_renoise0.6": ("coupled", {"renoise": 0.6}),            # the default step + DDIM-eta 0.6
     "coupled_sampled_renoise0.6": ("coupled", {"step": "sampled", "n_particles": 32, "renoise": 0.6}),
     "coupled_late": ("coupled", {**_LIN, "sigma": "independent", "t_start": 0.3}),  # guidance only for t >= 0.3
     "coupled_early": ("coupled", {**_LIN, "sigma": "independent", "t_end": 0.7}),   # guidance only for t < 0.7
