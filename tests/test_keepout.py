@@ -80,7 +80,7 @@ def test_servo_model_predicts_where_the_palm_goes():
     errors, moved = [], []
     for seed in range(3):
         env.reset(seed=50 + seed)
-        qpos, qvel = ko._joint_state([env])
+        qpos, qvel = ko.joint_state([env])
         start = env.unwrapped_mujoco.data.site("S_grasp").xpos.copy()
         action = np.zeros(env.action_space.shape[0], np.float32)
         action[ko.dims.numpy()] = rng.uniform(-0.6, 0.6, len(ko.dims))
@@ -130,7 +130,7 @@ def test_guided_chunks_plan_around_the_ball(door_policy):
     ko.before_sample(guide.cost, pool)
     base, _, _ = ce.sample_chunks(door_policy, obs_list, None, noise)
     guided, stats, _ = ce.sample_chunks(door_policy, obs_list, guide, noise)
-    qpos, qvel = ko._joint_state(pool)
+    qpos, qvel = ko.joint_state(pool)
 
     def depth(chunks):
         p = ko.predict_palm(torch.as_tensor(chunks), qpos, qvel)

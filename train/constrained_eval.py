@@ -351,20 +351,21 @@ class KeepOut:
                             margin=self.margin, weight=weight)
 
     @staticmethod
-    def _joint_state(pool: Sequence[Any]) -> tuple[Tensor, Tensor]:
+    def joint_state(pool: Sequence[Any]) -> tuple[Tensor, Tensor]:
+        """``qpos``, ``qvel`` (B, nq), (B, nv) of each env: where ``predict_palm`` starts."""
         return (torch.as_tensor(np.stack([e.unwrapped_mujoco.data.qpos for e in pool]), dtype=torch.float32),
                 torch.as_tensor(np.stack([e.unwrapped_mujoco.data.qvel for e in pool]), dtype=torch.float32))
 
     def before_sample(self, cost: Any, pool: Sequence[Any]) -> None:
         """The predicted path starts where each robot is now."""
         if cost is not None:
-            cost.path_fn.start = self._joint_state(pool)
+            cost.path_fn.start = self.joint_state(pool)
 
     def filter(self, action: np.ndarray, env: Any, iters: int = 10) -> np.ndarray:
         """The minimal-change safety filter: Newton steps on the worst predicted clearance move the
         command until the palm, holding it for ``lookahead`` steps from the current joint state,
         stays ``margin`` outside the ball."""
-        qpos, qvel = self._joint_state([env])
+        qpos, qvel = self.joint_state([env])
         a = torch.as_tensor(np.clip(action, -1.0, 1.0), dtype=torch.float32)
         want = self.radius + self.margin
         for _ in range(iters):
