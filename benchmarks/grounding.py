@@ -20,6 +20,8 @@ partial run keeps what it measured; trained runs are reused from --runs.
     .venv/bin/python benchmarks/grounding.py --part ablation
     .venv/bin/python benchmarks/grounding.py --part protocols --suites tabletop --families flow
     .venv/bin/python benchmarks/grounding.py --part copycat --suites kitchen --checkpoints NAME=RUN_DIR ...
+    .venv/bin/python benchmarks/grounding.py --part recheck --runs runs/g3 --methods bc cig_bounded_joint \
+        --seeds 0 1 2 --conditions shortcut --rho 0.9      # more episodes for existing checkpoints
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "
 
 @dataclass
 class Args:
-    part: Literal["competence", "ablation", "protocols", "copycat"] = "competence"
+    part: Literal["competence", "ablation", "protocols", "copycat", "recheck"] = "competence"
     suites: tuple[str, ...] = ("tabletop",)
     families: tuple[str, ...] = ("flow", "ar", "mlp")
     methods: tuple[str, ...] = METHODS
@@ -93,6 +95,8 @@ class Args:
     extra steps without the CIG term, so every continuation row has equal compute)"""
     cont_lr: float = 3e-4
     """peak learning rate of continuations (the base run's cosine schedule ended near 0)"""
+    recheck_episodes: int = 96
+    """recheck part: fresh random-layout episodes per checkpoint (seed 70 000, apart from the protocols')"""
     relabel_k: int = 2
     dual_weight: float = 1.0
     cfg_scale: float = 2.0
@@ -305,6 +309,28 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
     return out / "ckpt"
 
 
+def recheck(a: Args, res: dict[str, Any]) -> None:
+    """Existing protocol checkpoints (``--methods`` x ``--seeds``, trained on the first of
+    ``--conditions``) re-evaluated on ``--recheck-episodes`` fresh random layouts (seed 70 000): a
+    protocol cell is 24 episodes per seed, too few to tell a 10-point gain from evaluation noise."""
+    cond = "random" if a.conditions[0] == "random" else f"rho{a.rho}"
+    for suite in a.suites:
+        for fam in a.families:
+            for method in a.methods:
+                for seed in a.seeds:
+                    base = a.runs / (f"{suite}_{fam}_recipe_s{seed}" if cond == "random" else f"{suite}_{fam}_{cond}_s{seed}")
+                    run = base if method == "bc" else a.runs / f"{suite}_{fam}_{cond}_{method}_s{seed}"
+                    if not (run / "ckpt").exists():
+                        print(f"[recheck] {run} has no checkpoint: skipped", flush=True)
+                        continue
+                    r = _p1(policies.load(run / "ckpt"), suite, a.recheck_episodes, seed=70_000)
+                    res.setdefault("recheck", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
+                        f"{method}_s{seed}"] = {k: r[k] for k in ("success", "ci95", "episodes", "did_other_task")} | {
+                        "run": str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else str(run)}
+                    print(f"[recheck] {suite} {fam} {cond} {method} s{seed}: {r['success']:.2f}", flush=True)
+                    _save(a, res)
+
+
 def _method_seed(key: str) -> tuple[str, int]:
     """``bc_s2`` -> ("bc", 2); a key without a seed suffix (older single-seed runs) is seed 0."""
     head, _, tail = key.rpartition("_s")
@@ -418,6 +444,15 @@ def _table(res: dict[str, Any]) -> str:
         lines += [md_table(["suite", "policy", "method", "seeds"] + [
             {"P3": "P3 swap", "P4": "P4 switch", "P5": "P5 paraphrase"}.get(p, p.replace("_rho", " (rho ") + (")" if "rho" in p else ""))
             for p in ps], rows), ""]
+    rc = res.get("recheck", {})
+    if rc:
+        lines += ["## Recheck: protocol checkpoints on more fresh random layouts (seed 70 000)", ""]
+        rows = [[su, fa, cond, key, f"{r['success']:.2f} [{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", r["episodes"],
+                 f"{r['did_other_task']:.2f}"]
+                for su, fams in rc.items() for fa, conds in fams.items() for cond, keys in conds.items()
+                for key, r in sorted(keys.items())]
+        lines += [md_table(["suite", "policy", "trained on", "method_seed", "success [95% CI]", "episodes",
+                            "did another task"], rows), ""]
     lines += [f"Machine: {res.get('machine')}", ""]
     return "\n".join(lines)
 
@@ -462,7 +497,8 @@ def main() -> None:
                     _deep_update(res.setdefault(section if (section and key == "competence") else key, {}), part)
         _aggregate(res)
         return _save(a, res)
-    {"competence": competence, "ablation": ablation, "protocols": protocols, "copycat": copycat}[a.part](a, res)
+    {"competence": competence, "ablation": ablation, "protocols": protocols, "copycat": copycat,
+     "recheck": recheck}[a.part](a, res)
 
 
 if __name__ == "__main__":
