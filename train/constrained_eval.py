@@ -175,7 +175,7 @@ def _lim(dim: int, actuator: str, side: str, demo_min: float, demo_max: float) -
 # so it limits the arm's height; door's ARTz limit (0.184) barely does (reach 0.25) and door's
 # ARRy limit (-0.518) lies beyond the reach [-0.40, 0.40], so on door the limits mostly cap the
 # force the arm may push with near its stops -- still an actuator command limit, but not a
-# joint-position one (door's qpos_violation_rate is 0 for every method).
+# joint-position one (door's state_violation_rate is 0 for every method).
 CONSTRAINTS: dict[str, AdroitConstraint] = {
     "door": AdroitConstraint("door", (
         _lim(0, "A_ARTz", "high", -0.725, 0.674),    # arm slide: 36% of demo frames above the new limit
