@@ -62,7 +62,7 @@ ABLATION = {  # name -> overrides of the multitask recipe (tabletop, flow)
                                             "state_hidden": 0, "batch_size": 64, "lr": 3e-4},
 }
 METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "relabel", "bc_cfg",
-           "cig_detached_continuation", "cig_full_continuation", "cig_pmi_continuation", "cig_bounded_joint")
+           "cig_detached_continuation", "cig_full_continuation", "cig_pmi_continuation", "bc_2x", "cig_bounded_joint")
 
 
 @dataclass
@@ -290,6 +290,8 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
         _train(a, out, policy=fam, data=(data,), seed=seed, instruction_dropout=0.1, cfg_scale=a.cfg_scale)
     elif method == "bc_continuation":
         _train(a, out, policy=fam, data=(data,), seed=seed, **cont)
+    elif method == "bc_2x":  # twice the recipe's steps: the compute of joint CIG (measured 2.0x BC's time per step)
+        _train(a, out, policy=fam, data=(data,), seed=seed, steps=2 * (a.steps or recipe_args("multitask").steps))
     elif method.startswith("cig_"):
         _, variant, mode = method.split("_")
         cig = CIGOptions(weight=1.0, variant=variant, negatives=3, draws=2, batch=64)
