@@ -12,25 +12,26 @@ Two kinds of constraint, both with the same evaluation, methods and counters:
   a nonlinear function of several arm and wrist joints (``envs.kinematics.SiteKinematics``), the
   feasible set is not convex, and a servo drives the joints along a path *between* commands, so
   no per-action clamp can keep the palm out: the ``clip`` baseline here is the minimal-change
-  safety filter that moves each executed command's equilibrium palm out of the ball (Newton
-  steps on the distance), and the violation is measured on the *actual* palm position.
+  safety filter that moves each executed command until the palm, predicted by the servo model
+  (``ServoModel``) while holding it for ``lookahead`` steps, stays clear (Newton steps on the
+  distance), and the violation is measured on the *actual* palm position.
 
 Units: joint limits are in the env's action units ([-1, 1] per actuator; the env maps ``a`` to the
 position-servo target ``act_mean + a * act_rng`` of the actuator's joint). Their guidance cost is
 ``LimitCost`` on the constrained dims of the *unnormalized* chunk (all H steps, not only the
 executed ones, so the plan stays coherent): ``weight * sum relu(a - high)^2 + relu(low - a)^2``
 nats, weight in nats per action-unit^2. Keep-out balls are in metres (world frame); their cost is
-``ObstacleCost`` on the palm path implied by the chunk: the equilibrium palm of each commanded
-step and two points on each joint-space segment between consecutive commands, starting from the
-current joint positions, with ``margin`` metres of clearance for servo lag; weight in nats per m^2.
+``ObstacleCost`` on the palm path the fitted servo model predicts for the chunk's commands from
+the current joint positions and velocities, with ``margin`` metres of clearance for the model's
+error; weight in nats per m^2.
 
 What counts as a violation (documented choice): joint limits -- an episode violates when any
 *executed* action leaves ``[low - tol, high + tol]`` on a constrained dim (``tol`` = 0.02 action
 units, 1% of the actuator's range); the joint position, mapped through its servo
-(``_servo_map``), is reported too (``state_violation_rate``, tolerance ``qpos_tol``). Keep-out --
+(``_servo_map``), is reported too (``state_violation_rate``, tolerance ``state_tol``). Keep-out --
 an episode violates when the actual palm comes more than ``tol`` (1 cm) inside the ball at any
 step (``state_violation_rate`` is then the primary figure; ``command_violation_rate`` tests the
-commanded equilibria). Either way a non-finite chunk ends the episode as a failure that violates
+commanded equilibria, where the palm would settle if a command were held). Either way a non-finite chunk ends the episode as a failure that violates
 (``nonfinite_rate``). A servo lags, is pushed by gravity and contacts, and some Adroit servos are
 weak (hammer's and pen's wrist: kp = 10), so a command inside the constraint need not keep the
 joint or the palm inside it, and the other way round.
