@@ -276,15 +276,22 @@ def protocols(a: Args, res: dict[str, Any]) -> None:
                     _save(a, res)
 
 
+def _run_dir(a: Args, suite: str, fam: str, method: str, seed: int, cond: str) -> Path:
+    """Where ``method``'s run lives: the BC base run (``bc``, ``dual_branch``) or its own."""
+    if method in ("bc", "dual_branch"):
+        return a.runs / (f"{suite}_{fam}_recipe_s{seed}" if cond == "random" else f"{suite}_{fam}_{cond}_s{seed}")
+    return a.runs / f"{suite}_{fam}_{cond}_{method}_s{seed}"
+
+
 def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: str, data: Path, relabel, RelabelArgs):
     """Train what ``method`` needs on ``data`` (reusing runs) and return its checkpoint."""
-    base = a.runs / f"{suite}_{fam}_recipe_s{seed}" if cond == "random" else a.runs / f"{suite}_{fam}_{cond}_s{seed}"
+    base = _run_dir(a, suite, fam, "bc", seed, cond)
     _train(a, base, policy=fam, data=(data,), seed=seed)
     if method in ("bc", "dual_branch"):
         if method == "dual_branch" and fam != "flow":
             return None
         return base / "ckpt"
-    out = a.runs / f"{suite}_{fam}_{cond}_{method}_s{seed}"
+    out = _run_dir(a, suite, fam, method, seed, cond)
     cont = dict(init_from=base / "ckpt", steps=a.cig_steps, warmup_steps=0, lr=a.cont_lr)
     if method == "bc_cfg":
         _train(a, out, policy=fam, data=(data,), seed=seed, instruction_dropout=0.1, cfg_scale=a.cfg_scale)
@@ -320,8 +327,7 @@ def recheck(a: Args, res: dict[str, Any]) -> None:
         for fam in a.families:
             for method in a.methods:
                 for seed in a.seeds:
-                    base = a.runs / (f"{suite}_{fam}_recipe_s{seed}" if cond == "random" else f"{suite}_{fam}_{cond}_s{seed}")
-                    run = base if method == "bc" else a.runs / f"{suite}_{fam}_{cond}_{method}_s{seed}"
+                    run = _run_dir(a, suite, fam, method, seed, cond)
                     if not (run / "ckpt").exists():
                         print(f"[recheck] {run} has no checkpoint: skipped", flush=True)
                         continue

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import envs  # noqa: E402
 import policies  # noqa: E402
 from train.bc import TrainArgs, train  # noqa: E402
-from train.constrained_eval import CONSTRAINTS, KEEPOUTS, TOL, evaluate_constrained  # noqa: E402
+from train.constrained_eval import CONSTRAINTS, KEEPOUTS, TOL, KeepOut, evaluate_constrained  # noqa: E402
 
 TASKS = {  # task -> (demos, train steps); door's budget reached 0.98 success in policies.md
     "door": (50, 3000), "hammer": (50, 3000), "pen": (50, 3000), "relocate": (50, 3000),
@@ -224,7 +224,7 @@ def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: st
         f"{sec}_sweep": {t: {m: [{k: r.get(k) for k in KEYS} for r in runs] for m, runs in ms.items()}
                          for t, ms in sweep.items()},
         f"{sec}_meta": {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHTS[kind],
-                        "tol": TOL if kind == "joint_limits" else KEEPOUTS[next(iter(KEEPOUTS))].tol,
+                        "tol": TOL if kind == "joint_limits" else KeepOut.tol,
                         "machine": machine(), "threads": torch.get_num_threads()}})
     md = RESULTS / ("guidance_adroit.md" if kind == "joint_limits" else "guidance_adroit_keepout.md")
     tmp_md = md.with_suffix(".md.tmp")

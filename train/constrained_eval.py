@@ -530,6 +530,7 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
     a_sum = np.zeros(episodes)        # summed executed excess over steps and dims
     q_max = np.zeros(episodes)        # largest excess of the robot's state (joint position or palm)
     chunk_viol = chunk_entries = 0    # sampled chunk entries outside the constraint (before any clip)
+    width = 1                         # excess entries per executed step (joint limits: one per limited dim)
     nfe = n_backward = calls = n_chunks = 0
     t_batched = 0.0
     queues: list[list[np.ndarray]] = [[] for _ in range(episodes)]
@@ -561,6 +562,7 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
                 action = constraint.filter(action, pool[episode])
             action = np.clip(action, -1.0, 1.0)  # what the env executes anyway
             ex = constraint.command_excess(action)
+            width = ex.shape[-1]
             a_max[episode] = max(a_max[episode], float(ex.max()))
             a_sum[episode] += float(ex.sum())
             obs[episode], _, _, trunc, info = pool[episode].step(action)
@@ -578,7 +580,7 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
         latency.append(dt)
     return {"success": success, "steps": steps, "nonfinite": nonfinite, "a_max": a_max, "a_sum": a_sum, "q_max": q_max,
             "chunk_viol": chunk_viol, "chunk_entries": chunk_entries, "nfe": nfe, "n_backward": n_backward,
-            "calls": calls, "n_chunks": n_chunks, "t_batched": t_batched, "latency": latency}
+            "calls": calls, "n_chunks": n_chunks, "t_batched": t_batched, "latency": latency, "width": width}
 
 
 def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: float = 0.0, episodes: int = 20,
@@ -623,7 +625,6 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
     chunk_viol, chunk_entries, nfe, n_backward, calls, n_chunks, t_batched, latency = (
         raw[k] for k in ("chunk_viol", "chunk_entries", "nfe", "n_backward", "calls", "n_chunks", "t_batched", "latency"))
     total_steps = int(steps.sum())
-    per_step = len(constraint.dims) if constraint.kind == "joint_limits" else 1
     return {"env_id": env_id, "kind": constraint.kind, "method": method, "scale": float(scale),
             "episodes": episodes, "seed": seed, "weight": weight,
             "options": {k: (v.tolist() if isinstance(v, (Tensor, np.ndarray)) else v) for k, v in (options or {}).items()},
@@ -632,7 +633,7 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
             "command_violation_rate": float(command_violated.mean()),
             "state_violation_rate": float(state_violated.mean()),
             "nonfinite_rate": float(raw["nonfinite"].mean()),
-            "violation_mean": float(a_sum.sum() / max(total_steps * per_step, 1)),
+            "violation_mean": float(a_sum.sum() / max(total_steps * raw["width"], 1)),
             "violation_max": float(a_max.max()),
             "state_violation_max": float(q_max.max()),
             "chunk_violation_frac": chunk_viol / max(chunk_entries, 1),
