@@ -65,6 +65,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "velocity_gradient": ("velocity_gradient", {}),
     "state_gradient": ("state_gradient", {}),
     "pnp_renoise": ("pnp_renoise", {"sigma": "independent"}),              # linear endpoint step, fresh noise
+    "particles4": ("particles", {"n_particles": 4}),                       # 4 unguided samples, one kept by exp(-w c)
+    "particles16": ("particles", {"n_particles": 16}),
     "mc": ("mc", {}),
     "cfg": ("cfg", {}),
 }

@@ -8,7 +8,8 @@
     chunk, stats = guidance.sample(velocity, x0, n_steps=10, guide=guide, return_stats=True)
 
 Methods (``guidance.METHODS``): none, coupled, velocity_gradient, state_gradient, pnp_renoise,
-mc, cfg; ``guidance.make`` names the valid options of each. ``velocity(x_t, t)`` (or
+mc, cfg, particles (P unguided candidates per sample, one kept by exp(-w c): P x the network);
+``guidance.make`` names the valid options of each. ``velocity(x_t, t)`` (or
 ``velocity(x_t, t, cond)`` when ``cond`` is given; ``drop_cond=True`` for cfg's unconditional
 branch) returns a tensor shaped like ``x_t``. ``stats`` counts network evaluations, backward
 passes, cost gradients/evaluations, repaired (non-finite or clipped) gradients and wall time.
@@ -19,7 +20,7 @@ and ``guidance.distances`` (imported on demand); results in benchmarks/results/g
 from guidance import costs, geometry, operators
 from guidance.accounting import SampleStats
 from guidance.base import SCHEDULES, Guidance
-from guidance.baselines import (ClassifierFreeGuidance, MonteCarloGuidance, NoGuidance,
+from guidance.baselines import (ClassifierFreeGuidance, ImportanceParticles, MonteCarloGuidance, NoGuidance,
                                 StateGradientGuidance, VelocityGradientGuidance)
 from guidance.costs import Cost, Projection, make_cost
 from guidance.coupled import CoupledGuidance, PnPRenoiseGuidance
@@ -28,5 +29,5 @@ from guidance.sampler import sample
 
 __all__ = ["sample", "make", "METHODS", "SCHEDULES", "Guidance", "SampleStats", "CoupledGuidance",
            "PnPRenoiseGuidance", "NoGuidance", "VelocityGradientGuidance", "StateGradientGuidance",
-           "MonteCarloGuidance", "ClassifierFreeGuidance", "Cost", "Projection", "make_cost", "costs",
+           "MonteCarloGuidance", "ClassifierFreeGuidance", "ImportanceParticles", "Cost", "Projection", "make_cost", "costs",
            "geometry", "operators"]

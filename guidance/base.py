@@ -60,6 +60,8 @@ class Guidance:
     name: ClassVar[str] = "base"
     #: the cost is required (unless a projection replaces it) when the scale is > 0
     uses_cost: ClassVar[bool] = True
+    #: whole sampling passes per requested sample; > 1 only for methods that pick among candidates
+    n_candidates: int = 1
 
     def __init__(self, cost: Cost | Callable | str | None = None, scale: float = 1.0, *,
                  t_start: float = 0.0, t_end: float = 1.0, schedule: str | Callable = "constant",
@@ -143,6 +145,14 @@ class Guidance:
 
     def finish(self, x: Tensor) -> Tensor:
         return x
+
+    def candidate_noise(self, x0: Tensor, k: int) -> Tensor:
+        """Start noise of candidate ``k >= 1`` (methods with ``n_candidates > 1``)."""
+        raise NotImplementedError
+
+    def select(self, candidates: Tensor) -> Tensor:
+        """One sample per batch entry from ``candidates`` (n_candidates, B, ...)."""
+        return candidates[0]
 
     # ---- helpers ---------------------------------------------------------------------------
     def cost_grad(self, z: Tensor) -> tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from envs.errors import InvalidOptionError
 from guidance.base import Guidance
-from guidance.baselines import (ClassifierFreeGuidance, MonteCarloGuidance, NoGuidance,
+from guidance.baselines import (ClassifierFreeGuidance, ImportanceParticles, MonteCarloGuidance, NoGuidance,
                                 StateGradientGuidance, VelocityGradientGuidance)
 from guidance.coupled import CoupledGuidance, PnPRenoiseGuidance
 
@@ -18,6 +18,7 @@ METHODS: dict[str, type[Guidance]] = {
     "pnp_renoise": PnPRenoiseGuidance,
     "mc": MonteCarloGuidance,
     "cfg": ClassifierFreeGuidance,
+    "particles": ImportanceParticles,
 }
 
 

@@ -71,17 +71,22 @@ def sample(velocity: Velocity, x0: Tensor, n_steps: int = 10, guide: Guidance | 
     stats = SampleStats(method=guide.name, n_steps=n_steps)
     caller = VelocityCaller(velocity, cond, stats, data_variance)
     start = time.perf_counter()
-    x = x0.detach()
-    guide.begin(x, caller)
     # explosion watch: per-sample norm against max(|x0|, RMS norm of the data)
     data_norm = float(data_variance.sum().sqrt()) if data_variance is not None else float(x0[0].numel()) ** 0.5
-    ref = torch.clamp(x0.reshape(x0.shape[0], -1).norm(dim=1), min=data_norm)
-    peak = torch.zeros_like(ref)
+    peak = torch.zeros(x0.shape[0], dtype=x0.dtype, device=x0.device)
     dt = 1.0 / n_steps
-    for i in range(n_steps):
-        x = guide.step(caller, x, i / n_steps, dt).detach()
-        peak = torch.maximum(peak, torch.nan_to_num(x.reshape(x.shape[0], -1).norm(dim=1) / ref, nan=0.0, posinf=0.0))
-    x = guide.finish(x)
+    candidates = []
+    for k in range(guide.n_candidates):  # one pass, or one per candidate of a method that picks among them
+        x = x0.detach() if k == 0 else guide.candidate_noise(x0, k)
+        if k == 0:
+            guide.begin(x, caller)
+        ref = torch.clamp(x.reshape(x.shape[0], -1).norm(dim=1), min=data_norm)
+        for i in range(n_steps):
+            x = guide.step(caller, x, i / n_steps, dt).detach()
+            peak = torch.maximum(peak, torch.nan_to_num(x.reshape(x.shape[0], -1).norm(dim=1) / ref, nan=0.0,
+                                                        posinf=0.0))
+        candidates.append(guide.finish(x))
+    x = candidates[0] if len(candidates) == 1 else guide.select(torch.stack(candidates))
     stats.wall_time_s = time.perf_counter() - start
     bad = ~torch.isfinite(x.reshape(x.shape[0], -1)).all(1)
     stats.n_nonfinite_output = int(bad.sum())

@@ -355,3 +355,23 @@ def test_renoise_and_tilted_is_keep_the_gaussian_tilt_exact():
         assert torch.allclose(x.var(0), torch.full((2,), s2), atol=0.04), opts
     with pytest.raises(ValueError, match="renoise"):
         guidance.make("coupled", cost=costs.LinearCost(a), renoise=1.5)
+
+
+def test_particles_reweight_toward_the_tilted_target_for_their_network_evaluations(bed2d):
+    tb, v = bed2d
+    target, _ = tb.exact_target(2000, seed=0)
+    x0 = torch.randn(2000, 2, generator=torch.Generator().manual_seed(2))
+    base = distances.sliced_wasserstein(guidance.sample(v, x0, 10), target)
+    x, st = guidance.sample(v, x0, 10, guide=guidance.make("particles", cost=tb.cost, scale=1.0, n_particles=16),
+                            return_stats=True)
+    assert distances.sliced_wasserstein(x, target) < 0.5 * base
+    assert st.nfe == 16 * 10 and st.n_cost_evals == 16 and st.n_backward == 0
+    # every kept sample is one of the candidates: an unguided sample, not a blend
+    assert torch.equal(x, guidance.sample(v, x0, 10, guide=guidance.make("particles", cost=tb.cost, n_particles=16)))
+    y = guidance.sample(v, x0 + 0.01, 10, guide=guidance.make("particles", cost=tb.cost, n_particles=16))
+    assert not torch.allclose(x, y, atol=0.05)  # fresh caller noise, fresh extra candidates
+    # a cost that is infinite everywhere keeps the caller's own candidate
+    inf = guidance.make("particles", cost=lambda z: torch.full(z.shape[:1], float("inf")), n_particles=4)
+    assert torch.equal(guidance.sample(v, x0[:16], 10, guide=inf), guidance.sample(v, x0[:16], 10))
+    with pytest.raises(ValueError, match="n_particles"):
+        guidance.make("particles", cost=tb.cost, n_particles=0)
