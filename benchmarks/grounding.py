@@ -22,6 +22,8 @@ partial run keeps what it measured; trained runs are reused from --runs.
     .venv/bin/python benchmarks/grounding.py --part copycat --suites kitchen --checkpoints NAME=RUN_DIR ...
     .venv/bin/python benchmarks/grounding.py --part recheck --runs runs/g3 --methods bc cig_bounded_joint \
         --seeds 0 1 2 --conditions shortcut --rho 0.9      # more episodes for existing checkpoints
+    .venv/bin/python benchmarks/grounding.py --part switch --runs runs/g3 --methods bc relabel \
+        --seeds 0 1 2 --conditions random                 # P4 broken down by the state at the switch
 """
 
 from __future__ import annotations
@@ -62,12 +64,13 @@ ABLATION = {  # name -> overrides of the multitask recipe (tabletop, flow)
                                             "state_hidden": 0, "batch_size": 64, "lr": 3e-4},
 }
 METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "relabel", "bc_cfg",
-           "cig_detached_continuation", "cig_full_continuation", "cig_pmi_continuation", "bc_2x", "cig_bounded_joint")
+           "cig_detached_continuation", "cig_full_continuation", "cig_pmi_continuation", "bc_2x", "cig_bounded_joint",
+           "cig_bounded_joint_early")
 
 
 @dataclass
 class Args:
-    part: Literal["competence", "ablation", "protocols", "copycat", "recheck"] = "competence"
+    part: Literal["competence", "ablation", "protocols", "copycat", "recheck", "switch"] = "competence"
     suites: tuple[str, ...] = ("tabletop",)
     families: tuple[str, ...] = ("flow", "ar", "mlp")
     methods: tuple[str, ...] = METHODS
@@ -93,10 +96,14 @@ class Args:
     cig_steps: int = 2000
     """continuation steps from the BC checkpoint (CIG continuation, and bc_continuation: the same
     extra steps without the CIG term, so every continuation row has equal compute)"""
+    cig_early: float = 0.25
+    """``..._early`` CIG methods: the term only on samples in the first this fraction of their demo
+    (CIGOptions.max_progress; P4 switches at a third)"""
     cont_lr: float = 3e-4
     """peak learning rate of continuations (the base run's cosine schedule ended near 0)"""
     recheck_episodes: int = 96
-    """recheck part: fresh random-layout episodes per checkpoint (seed 70 000, apart from the protocols')"""
+    """recheck part: fresh random-layout episodes per checkpoint (seed 70 000, apart from the protocols');
+    switch part: switch cases (seed 80 000)"""
     relabel_k: int = 2
     dual_weight: float = 1.0
     cfg_scale: float = 2.0
@@ -300,8 +307,11 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
     elif method == "bc_2x":  # twice the recipe's steps: the compute of joint CIG (measured 2.0x BC's time per step)
         _train(a, out, policy=fam, data=(data,), seed=seed, steps=2 * (a.steps or recipe_args("multitask").steps))
     elif method.startswith("cig_"):
-        _, variant, mode = method.split("_")
-        cig = CIGOptions(weight=1.0, variant=variant, negatives=3, draws=2, batch=64)
+        _, variant, mode, *extra = method.split("_")
+        if extra not in ([], ["early"]):
+            raise ValueError(f"unknown CIG method suffix in {method!r}: none or _early")
+        cig = CIGOptions(weight=1.0, variant=variant, negatives=3, draws=2, batch=64,
+                         max_progress=a.cig_early if extra else 1.0)
         if mode == "continuation":
             _train(a, out, policy=fam, data=(data,), seed=seed, cig=cig, **cont)
         elif mode == "joint":  # from scratch with the CIG term all along (the recipe's steps)
@@ -336,6 +346,41 @@ def recheck(a: Args, res: dict[str, Any]) -> None:
                         f"{method}_s{seed}"] = {k: r[k] for k in ("success", "ci95", "episodes", "did_other_task")} | {
                         "run": str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else str(run)}
                     print(f"[recheck] {suite} {fam} {cond} {method} s{seed}: {r['success']:.2f}", flush=True)
+                    _save(a, res)
+
+
+def switch(a: Args, res: dict[str, Any]) -> None:
+    """P4 on more cases (``--recheck-episodes``, seed 80 000), each switch filed by what the
+    gripper held when the command changed and by the old task's family: where a method's switches
+    fail says whether P4 asks for grounding (acting on the new command at all) or for coverage (acting
+    well from states no demonstration of the new task passes through, e.g. another cube in hand)."""
+    from train.protocols import switch_cases, switch_eval
+    cond = "random" if a.conditions[0] == "random" else f"rho{a.rho}"
+    for suite in a.suites:
+        cases = switch_cases(SUITES[suite], episodes=a.recheck_episodes, seed=80_000, progress=True)
+        for fam in a.families:
+            for method in a.methods:
+                for seed in a.seeds:
+                    run = _run_dir(a, suite, fam, method, seed, cond)
+                    if not (run / "ckpt").exists():
+                        print(f"[switch] {run} has no checkpoint: skipped", flush=True)
+                        continue
+                    torch.manual_seed(seed)
+                    ev = switch_eval(policies.load(run / "ckpt"), SUITES[suite], cases=cases)
+                    groups: dict[str, list[int]] = {}
+                    for p in (p for p in ev["per_case"] if p["counted"]):
+                        held = {True: "cube in hand", False: "hand empty", None: "not reported"}[p["held_at_switch"]]
+                        for g in (f"at switch: {held}", f"old task: {p['old_family']}"):
+                            k, n = groups.setdefault(g, [0, 0])
+                            groups[g] = [k + bool(p["success"]), n + 1]
+                    res.setdefault("switch", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
+                        f"{method}_s{seed}"] = {
+                        "success": ev["switch_success_rate"], "ci95": ev["ci95"], "episodes": ev["episodes"],
+                        "old_task_completed": ev["old_task_completed_rate"], "did_other_task": ev["did_other_task_rate"],
+                        "groups": {g: {"successes": k, "episodes": n} for g, (k, n) in sorted(groups.items())},
+                        "per_case": ev["per_case"]}
+                    print(f"[switch] {suite} {fam} {cond} {method} s{seed}: {ev['switch_success_rate']:.2f} " +
+                          json.dumps({g: f"{k}/{n}" for g, (k, n) in sorted(groups.items())}), flush=True)
                     _save(a, res)
 
 
@@ -461,8 +506,56 @@ def _table(res: dict[str, Any]) -> str:
                 for key, r in sorted(keys.items())]
         lines += [md_table(["suite", "policy", "trained on", "method_seed", "success [95% CI]", "episodes",
                             "did another task"], rows), ""]
+    lines += _switch_table(res.get("switch", {}))
     lines += [f"Machine: {res.get('machine')}", ""]
     return "\n".join(lines)
+
+
+def _switch_table(sw: dict[str, Any]) -> list[str]:
+    """P4 per method pooled over seeds, split by the old task's family and by what the gripper
+    held at the switch, with how the failures ended."""
+    if not sw:
+        return []
+    import numpy as np
+    lines = ["## P4 broken down: where mid-episode switches fail (switch part, seed 80 000)", "",
+             "Pooled over training seeds: successes / switches per group; failures split into those where no task "
+             "was completed and those where some other task was (usually the old pair's cube picked up on the way).", ""]
+    rows, order = [], {m: i for i, m in enumerate(METHODS)}
+    for su, fams in sw.items():
+        for fa, conds in fams.items():
+            for cond, keys in conds.items():
+                by: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+                for key, r in keys.items():
+                    m, seed = _method_seed(key)
+                    by.setdefault(m, []).append((seed, r))
+                for m in sorted(by, key=lambda m: (order.get(m, 99), m)):
+                    runs = [r for _, r in sorted(by[m], key=lambda x: x[0])]
+                    rates = [r["success"] for r in runs]
+                    k, n = sum(r["success"] * r["episodes"] for r in runs), sum(r["episodes"] for r in runs)
+                    lo, hi = wilson(int(round(k)), n)
+                    groups: dict[str, list[int]] = {}
+                    none = other = 0
+                    for r in runs:
+                        for g, v in r["groups"].items():
+                            acc = groups.setdefault(g, [0, 0])
+                            acc[0] += v["successes"]
+                            acc[1] += v["episodes"]
+                        for p in r["per_case"]:
+                            if p["counted"] and not p["success"]:
+                                other += bool(p["other_task"] or p["old_completed"])
+                                none += not (p["other_task"] or p["old_completed"])
+
+                    def cell(g: str) -> str:
+                        kk, nn = groups.get(g, (0, 0))
+                        return f"{kk}/{nn} ({kk / nn:.2f})" if nn else "-"
+                    rows.append([su, fa, cond, m, len(runs), f"{np.mean(rates):.2f} ±{np.std(rates, ddof=1) if len(rates) > 1 else 0:.2f} "
+                                 f"[{lo:.2f}, {hi:.2f}]", " / ".join(f"{x:.2f}" for x in rates),
+                                 cell("old task: push"), cell("old task: pick"), cell("old task: stack"),
+                                 cell("at switch: cube in hand"), f"{none} / {other}"])
+    lines += [md_table(["suite", "policy", "trained on", "method", "seeds", "P4 [95% CI]", "per seed", "old task push",
+                        "old task pick", "old task stack", "cube in hand at switch",
+                        "failures: nothing done / a task done"], rows), ""]
+    return lines
 
 
 def _plot(res: dict[str, Any], path: Path) -> None:
@@ -506,7 +599,7 @@ def main() -> None:
         _aggregate(res)
         return _save(a, res)
     {"competence": competence, "ablation": ablation, "protocols": protocols, "copycat": copycat,
-     "recheck": recheck}[a.part](a, res)
+     "recheck": recheck, "switch": switch}[a.part](a, res)
 
 
 if __name__ == "__main__":

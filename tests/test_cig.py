@@ -58,6 +58,30 @@ def test_cig_loss_is_finite_and_reaches_the_instruction_pathway(kind, variant):
     assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
 
 
+def test_cig_max_progress_keeps_the_term_to_early_samples():
+    p = _policy("flow")
+    obj = CIGObjective(p, SimpleNamespace(instructions=INSTR),
+                       CIGOptions(weight=1.0, negatives=2, variant="bounded", draws=2, max_progress=0.25))
+    rng = np.random.default_rng(1)
+    batch = {"state": rng.normal(size=(8, 5)).astype(np.float32),
+             "action": rng.uniform(-1, 1, (8, 4, 2)).astype(np.float32),
+             "action_pad": np.zeros((8, 4), bool), "instruction": [INSTR[i % 4] for i in range(8)],
+             "progress": np.array([0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0], np.float32)}
+    loss, m = obj.loss(batch, torch.Generator().manual_seed(0))
+    assert m["cig_samples"] == 3 and torch.isfinite(loss) and loss.requires_grad
+    # the same three samples alone give the same term: the late ones contribute nothing
+    alone = {k: v[:3] for k, v in batch.items()}
+    same, _ = obj.loss(alone, torch.Generator().manual_seed(0))
+    assert torch.allclose(loss, same)
+    late = {**batch, "progress": np.ones(8, np.float32)}
+    zero, m = obj.loss(late, torch.Generator().manual_seed(0))
+    assert float(zero) == 0.0 and m["cig_samples"] == 0
+    with pytest.raises(ValueError, match="max_progress"):
+        CIGObjective(p, SimpleNamespace(instructions=INSTR), CIGOptions(weight=1.0, max_progress=0.0))
+    with pytest.raises(ValueError, match="episode progress"):
+        obj.loss({k: v for k, v in batch.items() if k != "progress"}, torch.Generator().manual_seed(0))
+
+
 def test_cig_rejects_too_few_instructions():
     p = _policy("flow")
     with pytest.raises(ValueError, match="at least 2 instructions"):

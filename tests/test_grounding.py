@@ -151,6 +151,17 @@ def test_switch_expert_follows_and_a_stubborn_policy_does_not(tabletop):
     assert lo == 0.0 < hi < 0.6
 
 
+def test_switch_records_what_the_gripper_held_when_the_command_changed(tabletop):
+    old = "stack the red cube on the blue cube"
+    new = switch_targets(tabletop.suite, old)[0]
+    early, late = (SwitchCase(3000, old, new, k, expert_success=True) for k in (3, 10))
+    res = switch_eval(ExpertPolicy(), TABLETOP, cases=[early, late], env=tabletop)
+    assert [p["held_at_switch"] for p in res["per_case"]] == [False, True]  # the red cube is in hand by step 10
+    assert [p["old_family"] for p in res["per_case"]] == ["stack", "stack"]
+    assert res["switch_success_rate"] == 1.0  # the expert lets go and does the new task either way
+    assert all(new not in p["other_tasks"] and old not in p["other_tasks"] for p in res["per_case"])
+
+
 def test_switch_skips_what_the_expert_cannot_do(tabletop):
     instrs = tabletop.suite.instructions
     cases = [SwitchCase(3000, instrs[0], instrs[2], 5, expert_success=True),

@@ -53,6 +53,11 @@ class CIGOptions:
     batch: int = 0
     """samples of each batch that get the CIG term (0: all); the term costs ~5x a BC step on the
     whole batch, so a joint run can apply it to a sub-batch"""
+    max_progress: float = 1.0
+    """the term only on samples at most this far into their demo (episode progress in [0, 1]; 1: all).
+    Where the layout names the task, the shortcut is taken at the start, when the policy picks what
+    to reach for; later in a demo of l, the contrast's push on the l' conditional ("not a_l") acts
+    on exactly the states a mid-episode switch to l' starts from, without saying what to do there"""
     paraphrases_as_negatives: bool = False
     """never True in practice: a paraphrase is not a counterfactual (kept for the ablation guard)"""
 
@@ -138,6 +143,8 @@ class CIGObjective:
         self.policy, self.opt = policy, options
         if options.batch < 0:
             raise ValueError(f"CIG batch must be >= 0 (0: the whole batch), got {options.batch}")
+        if not 0.0 < options.max_progress <= 1.0:
+            raise ValueError(f"CIG max_progress must be in (0, 1] (episode progress), got {options.max_progress}")
         if options.paraphrases_as_negatives:
             raise ValueError("paraphrases are not counterfactual instructions; refusing paraphrases_as_negatives")
         if len(data.instructions) < 2:
@@ -154,9 +161,19 @@ class CIGObjective:
     def loss(self, batch: dict[str, Any], gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         o = self.opt
         n = len(batch["instruction"])
-        if 0 < o.batch < n:  # the first o.batch samples (batches are already shuffled)
-            batch = {k: (v[: o.batch] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == n else v)
-                     for k, v in batch.items()}
+        keep = np.arange(n)
+        if o.max_progress < 1.0:
+            if batch.get("progress") is None:
+                raise ValueError("CIG max_progress < 1 needs the batch's episode progress (ChunkData batches carry it)")
+            prog = batch["progress"]
+            prog = prog.detach().cpu().numpy() if torch.is_tensor(prog) else np.asarray(prog)
+            keep = np.flatnonzero(prog <= o.max_progress)
+            if not len(keep):  # no early sample in this batch: no term, the BC step goes on
+                return torch.zeros(()), {"loss_cig": 0.0, "cig_samples": 0.0}
+        if 0 < o.batch < len(keep):  # the first o.batch of them (batches are already shuffled)
+            keep = keep[: o.batch]
+        if len(keep) < n:
+            batch = {k: _take(v, keep, n) for k, v in batch.items()}
         candidates = self.sampler.draw(list(batch["instruction"]), gen)
         if o.variant == "pmi":
             candidates = [[c[0], NULL_INSTRUCTION] for c in candidates]
@@ -164,9 +181,21 @@ class CIGObjective:
         loss = cig_loss(scores, o.variant, o.margin)
         with torch.no_grad():
             acc = (scores.argmax(1) == 0).float().mean()
-        return loss, {"loss_cig": float(loss.detach()), "cig_id_acc": float(acc),
+        return loss, {"loss_cig": float(loss.detach()), "cig_id_acc": float(acc), "cig_samples": float(len(keep)),
                       "score_commanded": float(scores[:, 0].mean().detach()),
                       "score_counterfactual": float(scores[:, 1:].mean().detach())}
+
+
+def _take(v: Any, idx: np.ndarray, n: int) -> Any:
+    """Rows ``idx`` of a per-sample batch entry (tensor, array or list of length ``n``); other
+    entries as they are."""
+    if isinstance(v, str) or not hasattr(v, "__len__") or len(v) != n:
+        return v
+    if torch.is_tensor(v):
+        return v[torch.as_tensor(idx, device=v.device)]
+    if isinstance(v, np.ndarray):
+        return v[idx]
+    return [v[i] for i in idx]
 
 
 @torch.no_grad()

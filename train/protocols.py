@@ -425,10 +425,14 @@ def _switch_rollout(policy: Any, env: Any, case: SwitchCase, replan: bool = True
     old_id, new_id = suite.task(case.old).task_id, suite.task(case.new).task_id
     obs, info = env.reset(seed=case.seed, options={"instruction": case.old})
     policy.reset()
-    out = {"success": False, "old_completed": False, "other_task": False, "new_before_switch": False, "steps": 0}
+    out = {"success": False, "old_completed": False, "other_task": False, "new_before_switch": False, "steps": 0,
+           "held_at_switch": None, "other_tasks": []}
     for step in range(env.max_episode_steps):
-        if step == case.switch_after and replan:
-            policy.reset()  # drop queued actions: the new command is acted on from this step
+        if step == case.switch_after:
+            held = info.get("grasped")  # what the gripper holds when the command changes (None: not reported)
+            out["held_at_switch"] = None if held is None else bool(np.asarray(held).any())
+            if replan:
+                policy.reset()  # drop queued actions: the new command is acted on from this step
         if step >= case.switch_after:
             obs = {**obs, "instruction": case.new}
         obs, _, _, trunc, info = env.step(policy.select_action(obs))
@@ -437,8 +441,9 @@ def _switch_rollout(policy: Any, env: Any, case: SwitchCase, replan: bool = True
         if done is not None:
             done = np.asarray(done, bool)
             out["old_completed"] |= bool(done[old_id])
-            others = np.delete(done, [old_id, new_id])
-            out["other_task"] |= bool(others.any())
+            others = [i for i in np.flatnonzero(done) if i not in (old_id, new_id)]
+            out["other_task"] |= bool(others)
+            out["other_tasks"] = sorted(set(out["other_tasks"]) | {suite.tasks[i].instruction for i in others})
             if done[new_id]:
                 if step + 1 <= case.switch_after:
                     out["new_before_switch"] = True  # done before it was asked for: never a success
@@ -539,7 +544,8 @@ def switch_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 3000, 
     ``replan_at_switch`` calls ``policy.reset()`` at the switch (queued actions of a chunk are
     dropped, as a robot given a new command would); False lets the queued chunk run out first.
     Also reported: how often the OLD task was completed (the policy kept doing what it was first
-    told), how often some third task was, per-case results.
+    told), how often some third task was, per-case results (with what the gripper held at the switch
+    and the old task's family).
     """
     own = env is None
     env = _make(policy, env_id, env_options) if own else env
@@ -563,7 +569,8 @@ def switch_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 3000, 
         for case in tqdm(cases, desc=f"switch {env_id}", disable=not progress, unit="ep"):
             counted = not skip_expert_failures or bool(case.expert_success)
             result = _switch_rollout(policy, tracked, case, replan=replan_at_switch) if counted else None
-            per_case.append({**case.to_dict(), "counted": counted, **(result or {})})
+            per_case.append({**case.to_dict(), "old_family": suite.task(case.old).family, "counted": counted,
+                             **(result or {})})
     finally:
         if own:
             env.close()
