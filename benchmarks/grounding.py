@@ -328,10 +328,10 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
     return out / "ckpt"
 
 
-def recheck(a: Args, res: dict[str, Any]) -> None:
-    """Existing protocol checkpoints (``--methods`` x ``--seeds``, trained on the first of
-    ``--conditions``) re-evaluated on ``--recheck-episodes`` fresh random layouts (seed 70 000): a
-    protocol cell is 24 episodes per seed, too few to tell a 10-point gain from evaluation noise."""
+def _checkpoints(a: Args, part: str):
+    """(suite, family, condition, method, seed, run dir) of every existing protocol checkpoint among
+    ``--suites`` x ``--families`` x ``--methods`` x ``--seeds``, trained on the first of
+    ``--conditions``; missing ones are named and skipped."""
     cond = "random" if a.conditions[0] == "random" else f"rho{a.rho}"
     for suite in a.suites:
         for fam in a.families:
@@ -339,14 +339,22 @@ def recheck(a: Args, res: dict[str, Any]) -> None:
                 for seed in a.seeds:
                     run = _run_dir(a, suite, fam, method, seed, cond)
                     if not (run / "ckpt").exists():
-                        print(f"[recheck] {run} has no checkpoint: skipped", flush=True)
+                        print(f"[{part}] {run} has no checkpoint: skipped", flush=True)
                         continue
-                    r = _p1(policies.load(run / "ckpt"), suite, a.recheck_episodes, seed=70_000)
-                    res.setdefault("recheck", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
-                        f"{method}_s{seed}"] = {k: r[k] for k in ("success", "ci95", "episodes", "did_other_task")} | {
-                        "run": str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else str(run)}
-                    print(f"[recheck] {suite} {fam} {cond} {method} s{seed}: {r['success']:.2f}", flush=True)
-                    _save(a, res)
+                    yield suite, fam, cond, method, seed, run
+
+
+def recheck(a: Args, res: dict[str, Any]) -> None:
+    """Existing protocol checkpoints (``--methods`` x ``--seeds``, trained on the first of
+    ``--conditions``) re-evaluated on ``--recheck-episodes`` fresh random layouts (seed 70 000): a
+    protocol cell is 24 episodes per seed, too few to tell a 10-point gain from evaluation noise."""
+    for suite, fam, cond, method, seed, run in _checkpoints(a, "recheck"):
+        r = _p1(policies.load(run / "ckpt"), suite, a.recheck_episodes, seed=70_000)
+        res.setdefault("recheck", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
+            f"{method}_s{seed}"] = {k: r[k] for k in ("success", "ci95", "episodes", "did_other_task")} | {
+            "run": str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else str(run)}
+        print(f"[recheck] {suite} {fam} {cond} {method} s{seed}: {r['success']:.2f}", flush=True)
+        _save(a, res)
 
 
 def switch(a: Args, res: dict[str, Any]) -> None:
@@ -355,33 +363,27 @@ def switch(a: Args, res: dict[str, Any]) -> None:
     fail says whether P4 asks for grounding (acting on the new command at all) or for coverage (acting
     well from states no demonstration of the new task passes through, e.g. another cube in hand)."""
     from train.protocols import switch_cases, switch_eval
-    cond = "random" if a.conditions[0] == "random" else f"rho{a.rho}"
-    for suite in a.suites:
-        cases = switch_cases(SUITES[suite], episodes=a.recheck_episodes, seed=80_000, progress=True)
-        for fam in a.families:
-            for method in a.methods:
-                for seed in a.seeds:
-                    run = _run_dir(a, suite, fam, method, seed, cond)
-                    if not (run / "ckpt").exists():
-                        print(f"[switch] {run} has no checkpoint: skipped", flush=True)
-                        continue
-                    torch.manual_seed(seed)
-                    ev = switch_eval(policies.load(run / "ckpt"), SUITES[suite], cases=cases)
-                    groups: dict[str, list[int]] = {}
-                    for p in (p for p in ev["per_case"] if p["counted"]):
-                        held = {True: "cube in hand", False: "hand empty", None: "not reported"}[p["held_at_switch"]]
-                        for g in (f"at switch: {held}", f"old task: {p['old_family']}"):
-                            k, n = groups.setdefault(g, [0, 0])
-                            groups[g] = [k + bool(p["success"]), n + 1]
-                    res.setdefault("switch", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
-                        f"{method}_s{seed}"] = {
-                        "success": ev["switch_success_rate"], "ci95": ev["ci95"], "episodes": ev["episodes"],
-                        "old_task_completed": ev["old_task_completed_rate"], "did_other_task": ev["did_other_task_rate"],
-                        "groups": {g: {"successes": k, "episodes": n} for g, (k, n) in sorted(groups.items())},
-                        "per_case": ev["per_case"]}
-                    print(f"[switch] {suite} {fam} {cond} {method} s{seed}: {ev['switch_success_rate']:.2f} " +
-                          json.dumps({g: f"{k}/{n}" for g, (k, n) in sorted(groups.items())}), flush=True)
-                    _save(a, res)
+    cases: dict[str, list] = {}
+    for suite, fam, cond, method, seed, run in _checkpoints(a, "switch"):
+        if suite not in cases:
+            cases[suite] = switch_cases(SUITES[suite], episodes=a.recheck_episodes, seed=80_000, progress=True)
+        torch.manual_seed(seed)
+        ev = switch_eval(policies.load(run / "ckpt"), SUITES[suite], cases=cases[suite])
+        groups: dict[str, list[int]] = {}
+        for p in (p for p in ev["per_case"] if p["counted"]):
+            held = {True: "cube in hand", False: "hand empty", None: "not reported"}[p["held_at_switch"]]
+            for g in (f"at switch: {held}", f"old task: {p['old_family']}"):
+                k, n = groups.setdefault(g, [0, 0])
+                groups[g] = [k + bool(p["success"]), n + 1]
+        res.setdefault("switch", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
+            f"{method}_s{seed}"] = {
+            "success": ev["switch_success_rate"], "ci95": ev["ci95"], "episodes": ev["episodes"],
+            "old_task_completed": ev["old_task_completed_rate"], "did_other_task": ev["did_other_task_rate"],
+            "groups": {g: {"successes": k, "episodes": n} for g, (k, n) in sorted(groups.items())},
+            "per_case": ev["per_case"]}
+        print(f"[switch] {suite} {fam} {cond} {method} s{seed}: {ev['switch_success_rate']:.2f} " +
+              json.dumps({g: f"{k}/{n}" for g, (k, n) in sorted(groups.items())}), flush=True)
+        _save(a, res)
 
 
 def _method_seed(key: str) -> tuple[str, int]:
