@@ -521,7 +521,7 @@ def _switch_table(sw: dict[str, Any]) -> list[str]:
     import numpy as np
     lines = ["## P4 broken down: where mid-episode switches fail (switch part, seed 80 000)", "",
              "Pooled over training seeds: successes / switches per group; failures split into those where no task "
-             "was completed and those where some other task was (usually the old pair's cube picked up on the way).", ""]
+             "was completed and those where some other task was (for BC every one of them had picked up a cube, the old task's in 50 of 57).", ""]
     rows, order = [], {m: i for i, m in enumerate(METHODS)}
     for su, fams in sw.items():
         for fa, conds in fams.items():
@@ -592,7 +592,7 @@ def main() -> None:
     if bad:
         raise SystemExit(f"unknown suites {bad}; known: {list(SUITES)}")
     res = _load(RESULTS / f"{a.results}.json")
-    if a.merge:
+    if a.merge or "--merge" in sys.argv:  # "--merge" alone: rewrite the table and plot from --results
         for item in a.merge:  # STEM, or STEM:SECTION to file a stem's competence under another section
             stem, _, section = item.partition(":")
             for key, part in _load(RESULTS / f"{stem}.json").items():

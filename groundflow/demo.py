@@ -5,7 +5,9 @@
    listening);
 2. train a tiny flow VLA by behaviour cloning with the ``multitask`` recipe (early fusion, centred
    language, acting every step: train/recipes.py);
-3. fine-tune it with Counterfactual Instruction Grounding (continuation stage);
+3. train the same policy with Counterfactual Instruction Grounding from the first step (joint CIG,
+   the configuration the grounding benchmark found best; ``--cig-mode continuation`` fine-tunes
+   the BC checkpoint instead);
 4. evaluate both where the layout no longer predicts the task, plus their diagnostics;
 5. collision avoidance: a flow policy trained on obstacle-free reaches, evaluated among
    obstacles without guidance and with Coupled Guidance;
@@ -23,6 +25,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # tiny policies beside CPU simulators (see groundflow/cli.py)
 
@@ -57,7 +60,13 @@ class DemoArgs:
     bc_steps: int = 4000
     """BC steps of the multitask recipe (batch 256); the grounding benchmark's runs use 24000 (tabletop
     flow reached 1.00 on 24 episodes at 12000)"""
+    cig_mode: Literal["joint", "continuation"] = "joint"
+    """joint: BC + the CIG term from the first step, for --bc-steps (about twice BC's time per step; the
+    grounding benchmark's P2 rho 0.9 gain); continuation: --cig-steps from the BC checkpoint"""
     cig_steps: int = 500
+    """continuation steps (--cig-mode continuation)"""
+    cig_max_progress: float = 1.0
+    """the CIG term only on samples this far into their demo (CIGOptions.max_progress)"""
     cig_weight: float = 1.0
     cig_variant: str = "bounded"
     """full | detached | bounded | pmi (benchmarks/grounding.py compares them)"""
@@ -97,27 +106,35 @@ def main(argv: list[str] | None = None) -> dict:
                             instructions=args.instructions))
     res["stages"]["collect_s"] = time.time() - started
 
-    started = _stage("2/6 behaviour cloning: tiny flow VLA, multitask recipe")
+    joint = args.cig_mode == "joint"
+    started = _stage("2/6 behaviour cloning: tiny flow VLA, multitask recipe" +
+                     (", and the same for twice the steps (joint CIG's compute)" if joint else ""))
     bc_dir = args.out / "bc"
-    if not (bc_dir / "ckpt").exists():
-        shutil.rmtree(bc_dir, ignore_errors=True)
-        train(recipe_args("multitask", data=(data,), policy="flow", size=args.size, steps=args.bc_steps, out=bc_dir,
-                          seed=args.seed, wandb="disabled", save_every=10**9))
+    bc_runs = [("BC", bc_dir, args.bc_steps)] + ([("BC 2x", args.out / "bc_2x", 2 * args.bc_steps)] if joint else [])
+    for _, run_dir, steps in bc_runs:
+        if not (run_dir / "ckpt").exists():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            train(recipe_args("multitask", data=(data,), policy="flow", size=args.size, steps=steps, out=run_dir,
+                              seed=args.seed, wandb="disabled", save_every=10**9))
     res["stages"]["bc_s"] = time.time() - started
 
-    started = _stage("3/6 CIG fine-tuning (continuation from the BC checkpoint)")
-    cig_dir = args.out / "cig"
+    started = _stage("3/6 CIG: " + ("the same recipe with the CIG term from the first step (joint)" if joint
+                                    else "fine-tuning the BC checkpoint (continuation)"))
+    cig_dir = args.out / ("cig_joint" if joint else "cig")
     if not (cig_dir / "ckpt").exists():
         shutil.rmtree(cig_dir, ignore_errors=True)
-        train(recipe_args("multitask", data=(data,), policy="flow", init_from=bc_dir / "ckpt", steps=args.cig_steps,
-                          lr=1e-4, warmup_steps=20, out=cig_dir, seed=args.seed, wandb="disabled", save_every=10**9,
-                          cig=CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=3, draws=2, batch=64)))
+        cig = CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=3, draws=2, batch=64,
+                         max_progress=args.cig_max_progress)
+        common = dict(data=(data,), policy="flow", out=cig_dir, seed=args.seed, wandb="disabled", save_every=10**9,
+                      cig=cig)
+        train(recipe_args("multitask", size=args.size, steps=args.bc_steps, **common) if joint else
+              recipe_args("multitask", init_from=bc_dir / "ckpt", steps=args.cig_steps, lr=1e-4, warmup_steps=20, **common))
     res["stages"]["cig_s"] = time.time() - started
 
     started = _stage("4/6 evaluate where the layout no longer predicts the task")
     rows = {}
     diag = {}
-    for name, run_dir in (("BC", bc_dir), ("BC+CIG", cig_dir)):
+    for name, run_dir in [(n, d) for n, d, _ in bc_runs] + [("BC+CIG", cig_dir)]:
         pol = policies.load(run_dir / "ckpt")
         torch.manual_seed(args.seed)  # the flow sampler's noise: the same checkpoints give the same table
         ev = evaluate(pol, "maniskill/TabletopSuite-v1", args.eval_episodes, seed=args.seed + 90_000,
@@ -171,7 +188,9 @@ def print_table(res: dict) -> None:
     print("\n================ groundflow demo results ================")
     rho = res["args"].get("layout_rho", "1.0")
     print(f"Tabletop suite (6 push tasks), trained where the layout names the task with probability {rho}; success on")
-    print("random layouts (only the instruction says which task) and on correlated ones (the shortcut holds):")
+    print("random layouts (only the instruction says which task) and on correlated ones (the shortcut holds);")
+    if "BC 2x" in res["tabletop"]:
+        print("BC 2x is BC for twice the steps (the compute of joint CIG; BC+CIG has the CIG term from the start):")
     print(f"  {'policy':8s} {'random layout [95% CI]':24s} {'correlated':>10s} {'other task':>10s} {'id acc':>7s} "
           f"{'sensitivity':>11s}")
     for name, r in res["tabletop"].items():
