@@ -4,11 +4,12 @@
    time (shortcut data: the scene mostly predicts the task, the setting where policies stop
    listening);
 2. train a tiny flow VLA by behaviour cloning with the ``multitask`` recipe (early fusion, centred
-   language, acting every step: train/recipes.py);
+   language, acting every step: train/recipes.py), and with joint CIG the same for twice the steps;
 3. train the same policy with Counterfactual Instruction Grounding from the first step (joint CIG,
    the configuration the grounding benchmark found best; ``--cig-mode continuation`` fine-tunes
    the BC checkpoint instead);
-4. evaluate both where the layout no longer predicts the task, plus their diagnostics;
+4. evaluate BC, BC for twice the steps (joint CIG's compute) and CIG where the layout no longer
+   predicts the task, plus their diagnostics;
 5. collision avoidance: a flow policy trained on obstacle-free reaches, evaluated among
    obstacles without guidance and with Coupled Guidance;
 6. drive a simulated robot through the policy server (websocket, safety layer, recording);

@@ -55,9 +55,9 @@ class CIGOptions:
     whole batch, so a joint run can apply it to a sub-batch"""
     max_progress: float = 1.0
     """the term only on samples at most this far into their demo (episode progress in [0, 1]; 1: all).
-    Where the layout names the task, the shortcut is taken at the start, when the policy picks what
-    to reach for; later in a demo of l, the contrast's push on the l' conditional ("not a_l") acts
-    on exactly the states a mid-episode switch to l' starts from, without saying what to do there"""
+    Tried as a fix for joint CIG's mid-episode switches (the contrast's push on the l' conditional at
+    later states of l says "not a_l", nothing about what to do): measured no better there (tabletop,
+    3 seeds, max_progress 0.25) and 4 points lower in distribution; README, grounding section"""
     paraphrases_as_negatives: bool = False
     """never True in practice: a paraphrase is not a counterfactual (kept for the ablation guard)"""
 
