@@ -369,12 +369,7 @@ def switch(a: Args, res: dict[str, Any]) -> None:
             cases[suite] = switch_cases(SUITES[suite], episodes=a.recheck_episodes, seed=80_000, progress=True)
         torch.manual_seed(seed)
         ev = switch_eval(policies.load(run / "ckpt"), SUITES[suite], cases=cases[suite])
-        groups: dict[str, list[int]] = {}
-        for p in (p for p in ev["per_case"] if p["counted"]):
-            held = {True: "cube in hand", False: "hand empty", None: "not reported"}[p["held_at_switch"]]
-            for g in (f"at switch: {held}", f"old task: {p['old_family']}"):
-                k, n = groups.setdefault(g, [0, 0])
-                groups[g] = [k + bool(p["success"]), n + 1]
+        groups = _switch_groups(ev["per_case"])
         res.setdefault("switch", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
             f"{method}_s{seed}"] = {
             "success": ev["switch_success_rate"], "ci95": ev["ci95"], "episodes": ev["episodes"],
@@ -384,6 +379,19 @@ def switch(a: Args, res: dict[str, Any]) -> None:
         print(f"[switch] {suite} {fam} {cond} {method} s{seed}: {ev['switch_success_rate']:.2f} " +
               json.dumps({g: f"{k}/{n}" for g, (k, n) in sorted(groups.items())}), flush=True)
         _save(a, res)
+
+
+def _switch_groups(per_case: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """[successes, switches] of the counted cases per group: what the gripper held at the switch,
+    and the old task's family."""
+    groups: dict[str, list[int]] = {}
+    for p in (p for p in per_case if p["counted"]):
+        held = {True: "cube in hand", False: "hand empty", None: "not reported"}[p["held_at_switch"]]
+        for g in (f"at switch: {held}", f"old task: {p['old_family']}"):
+            acc = groups.setdefault(g, [0, 0])
+            acc[0] += bool(p["success"])
+            acc[1] += 1
+    return groups
 
 
 def _method_seed(key: str) -> tuple[str, int]:
@@ -535,17 +543,11 @@ def _switch_table(sw: dict[str, Any]) -> list[str]:
                     rates = [r["success"] for r in runs]
                     k, n = sum(r["success"] * r["episodes"] for r in runs), sum(r["episodes"] for r in runs)
                     lo, hi = wilson(int(round(k)), n)
-                    groups: dict[str, list[int]] = {}
-                    none = other = 0
-                    for r in runs:
-                        for g, v in r["groups"].items():
-                            acc = groups.setdefault(g, [0, 0])
-                            acc[0] += v["successes"]
-                            acc[1] += v["episodes"]
-                        for p in r["per_case"]:
-                            if p["counted"] and not p["success"]:
-                                other += bool(p["other_task"] or p["old_completed"])
-                                none += not (p["other_task"] or p["old_completed"])
+                    cases = [p for r in runs for p in r["per_case"]]
+                    groups = _switch_groups(cases)
+                    failed = [p for p in cases if p["counted"] and not p["success"]]
+                    other = sum(bool(p["other_task"] or p["old_completed"]) for p in failed)
+                    none = len(failed) - other
 
                     def cell(g: str) -> str:
                         kk, nn = groups.get(g, (0, 0))
