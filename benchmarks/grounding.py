@@ -293,10 +293,11 @@ def _run_dir(a: Args, suite: str, fam: str, method: str, seed: int, cond: str) -
 def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: str, data: Path, relabel, RelabelArgs):
     """Train what ``method`` needs on ``data`` (reusing runs) and return its checkpoint."""
     base = _run_dir(a, suite, fam, "bc", seed, cond)
-    _train(a, base, policy=fam, data=(data,), seed=seed)
+    if method == "dual_branch" and fam != "flow":
+        return None
+    if method in ("bc", "dual_branch") or method.endswith("continuation"):  # the others train from scratch
+        _train(a, base, policy=fam, data=(data,), seed=seed)
     if method in ("bc", "dual_branch"):
-        if method == "dual_branch" and fam != "flow":
-            return None
         return base / "ckpt"
     out = _run_dir(a, suite, fam, method, seed, cond)
     cont = dict(init_from=base / "ckpt", steps=a.cig_steps, warmup_steps=0, lr=a.cont_lr)
@@ -386,7 +387,7 @@ def _switch_groups(per_case: list[dict[str, Any]]) -> dict[str, list[int]]:
     and the old task's family."""
     groups: dict[str, list[int]] = {}
     for p in (p for p in per_case if p["counted"]):
-        held = {True: "cube in hand", False: "hand empty", None: "not reported"}[p["held_at_switch"]]
+        held = {True: "object in hand", False: "hand empty", None: "not reported"}[p["held_at_switch"]]
         for g in (f"at switch: {held}", f"old task: {p['old_family']}"):
             acc = groups.setdefault(g, [0, 0])
             acc[0] += bool(p["success"])
@@ -523,15 +524,20 @@ def _table(res: dict[str, Any]) -> str:
 
 def _switch_table(sw: dict[str, Any]) -> list[str]:
     """P4 per method pooled over seeds, split by the old task's family and by what the gripper
-    held at the switch, with how the failures ended."""
+    held at the switch, with how the failures ended; one table per suite (its own families)."""
     if not sw:
         return []
     import numpy as np
     lines = ["## P4 broken down: where mid-episode switches fail (switch part, seed 80 000)", "",
              "Pooled over training seeds: successes / switches per group; failures split into those where no task "
-             "was completed and those where some other task was (for BC every one of them had picked up a cube, the old task's in 50 of 57).", ""]
-    rows, order = [], {m: i for i, m in enumerate(METHODS)}
+             "was completed and those where some other task was.", ""]
+    order = {m: i for i, m in enumerate(METHODS)}
     for su, fams in sw.items():
+        rows, families = [], set()
+        for fa, conds in fams.items():
+            for cond, keys in conds.items():
+                families |= {p["old_family"] for r in keys.values() for p in r["per_case"] if p["counted"]}
+        families = sorted(families)
         for fa, conds in fams.items():
             for cond, keys in conds.items():
                 by: dict[str, list[tuple[int, dict[str, Any]]]] = {}
@@ -547,18 +553,19 @@ def _switch_table(sw: dict[str, Any]) -> list[str]:
                     groups = _switch_groups(cases)
                     failed = [p for p in cases if p["counted"] and not p["success"]]
                     other = sum(bool(p["other_task"] or p["old_completed"]) for p in failed)
-                    none = len(failed) - other
 
                     def cell(g: str) -> str:
                         kk, nn = groups.get(g, (0, 0))
                         return f"{kk}/{nn} ({kk / nn:.2f})" if nn else "-"
-                    rows.append([su, fa, cond, m, len(runs), f"{np.mean(rates):.2f} ±{np.std(rates, ddof=1) if len(rates) > 1 else 0:.2f} "
-                                 f"[{lo:.2f}, {hi:.2f}]", " / ".join(f"{x:.2f}" for x in rates),
-                                 cell("old task: push"), cell("old task: pick"), cell("old task: stack"),
-                                 cell("at switch: cube in hand"), f"{none} / {other}"])
-    lines += [md_table(["suite", "policy", "trained on", "method", "seeds", "P4 [95% CI]", "per seed", "old task push",
-                        "old task pick", "old task stack", "cube in hand at switch",
-                        "failures: nothing done / a task done"], rows), ""]
+                    rows.append([fa, cond, m, len(runs), f"{np.mean(rates):.2f} ±{np.std(rates, ddof=1) if len(rates) > 1 else 0:.2f} "
+                                 f"[{lo:.2f}, {hi:.2f}]", " / ".join(f"{x:.2f}" for x in rates)]
+                                + [cell(f"old task: {f}") for f in families]
+                                + [cell("at switch: object in hand"), cell("at switch: hand empty"),
+                                   f"{len(failed) - other} / {other}"])
+        lines += [f"### {su}", "", md_table(
+            ["policy", "trained on", "method", "seeds", "P4 [95% CI]", "per seed"]
+            + [f"old task {f}" for f in families]
+            + ["object in hand at switch", "hand empty at switch", "failures: nothing done / a task done"], rows), ""]
     return lines
 
 

@@ -11,7 +11,8 @@ state, so following the instruction is necessary and measurable:
 
 ``info["success"]`` is true only when the commanded task holds; ``info["completed_tasks"]`` is a
 bool mask over the suite's tasks, True where the task's condition holds (to report "did a
-different task"; the same convention as the ManiSkill tabletop suite).
+different task"; the same convention as the ManiSkill tabletop suite); ``info["grasped"]`` one
+flag per object, True while the gripper holds it (what a mid-episode switch interrupted).
 
 Layouts: ``"random"`` draws the slot of every object from the seed alone (all instructions see
 the same initial state for a seed); ``"correlated"`` makes the slot assignment a function of the
@@ -265,7 +266,8 @@ class KitchenSuiteEnv(RobosuiteEnv):
     def _extra_info(self) -> dict:
         mask = np.zeros(len(TASKS), dtype=bool)
         mask[self.rs.completed_tasks()] = True
-        return {"completed_tasks": mask, "task_id": self.task_id}
+        grasped = np.array([self.rs._check_grasp(self.rs.robots[0].gripper, obj) for obj in self.rs.objects])
+        return {"completed_tasks": mask, "task_id": self.task_id, "grasped": grasped}
 
     @property
     def task(self) -> Task:

@@ -237,6 +237,18 @@ def test_kitchen_success_only_for_commanded_task(kitchen):
     assert np.flatnonzero(info["completed_tasks"]).tolist() == [1]
 
 
+def test_kitchen_reports_the_held_object(kitchen):
+    obs, info = kitchen.reset(seed=2, options={"task_id": 3})  # green can in the bin
+    assert info["grasped"].tolist() == [False, False, False]
+    expert = kitchen.make_expert()
+    expert.reset(kitchen, obs)
+    for _ in range(kitchen.max_episode_steps):
+        obs, _, _, _, info = kitchen.step(expert.act(obs))
+        if expert.phase == "carry":
+            break
+    assert expert.phase == "carry" and info["grasped"].tolist() == [False, True, False]
+
+
 def test_kitchen_sim_state_round_trip(kitchen):
     obs, _ = kitchen.reset(seed=4, options={"task_id": 2})
     expert = kitchen.make_expert()
