@@ -65,7 +65,7 @@ ABLATION = {  # name -> overrides of the multitask recipe (tabletop, flow)
 }
 METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "relabel", "bc_cfg",
            "cig_detached_continuation", "cig_full_continuation", "cig_pmi_continuation", "bc_2x", "cig_bounded_joint",
-           "cig_bounded_joint_early")
+           "cig_bounded_joint_early", "cig_bounded_joint_consistent")
 
 
 @dataclass
@@ -99,6 +99,9 @@ class Args:
     cig_early: float = 0.25
     """``..._early`` CIG methods: the term only on samples in the first this fraction of their demo
     (CIGOptions.max_progress; P4 switches at a third)"""
+    cig_radius: float = 1.25
+    """``..._consistent`` CIG methods: CIGOptions.demonstrated_radius (no negative the data demonstrates
+    at the sample: tasks that share a prefix are not contrasted on it)"""
     cont_lr: float = 3e-4
     """peak learning rate of continuations (the base run's cosine schedule ended near 0)"""
     recheck_episodes: int = 96
@@ -309,10 +312,11 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
         _train(a, out, policy=fam, data=(data,), seed=seed, steps=2 * (a.steps or recipe_args("multitask").steps))
     elif method.startswith("cig_"):
         _, variant, mode, *extra = method.split("_")
-        if extra not in ([], ["early"]):
-            raise ValueError(f"unknown CIG method suffix in {method!r}: none or _early")
+        if extra not in ([], ["early"], ["consistent"]):
+            raise ValueError(f"unknown CIG method suffix in {method!r}: none, _early or _consistent")
         cig = CIGOptions(weight=1.0, variant=variant, negatives=3, draws=2, batch=64,
-                         max_progress=a.cig_early if extra else 1.0)
+                         max_progress=a.cig_early if extra == ["early"] else 1.0,
+                         demonstrated_radius=a.cig_radius if extra == ["consistent"] else 0.0)
         if mode == "continuation":
             _train(a, out, policy=fam, data=(data,), seed=seed, cig=cig, **cont)
         elif mode == "joint":  # from scratch with the CIG term all along (the recipe's steps)

@@ -150,3 +150,73 @@ def test_cig_continuation_refuses_a_checkpoint_without_the_suite_vocabulary(corr
     with pytest.raises(policies.PolicyMismatchError, match="red cube"):
         evaluate(policies.load(tmp_path / "bc" / "ckpt"), "maniskill/TabletopSuite-v1", 1, instructions=PAIR,
                  progress=False)
+
+
+def _shared_prefix_data(episodes=6, T=10, seed=0):
+    """Four instructions, ``episodes`` demos each: the two red tasks act alike for the first half
+    (then part left / right); the blue tasks act differently from the start."""
+    rng = np.random.default_rng(seed)
+    states, actions, instr, ep = [], [], [], []
+    for j, l in enumerate(INSTR):
+        for _ in range(episodes):
+            t = np.arange(T)
+            side = 1.0 if "left" in l else -1.0
+            first = np.array([1.0, 0.0]) if "red" in l else np.array([-1.0, 0.0])
+            then = np.array([0.0, side]) if "red" in l else np.array([0.7, side])
+            a = np.where((t < T // 2)[:, None], first, then)
+            states.append(np.stack([t / T, (t / T) ** 2], 1) + rng.normal(0, 0.01, (T, 2)))
+            actions.append(a + rng.normal(0, 0.01, (T, 2)))
+            instr += [l] * T
+            ep.append(np.full(T, len(ep)))
+    n = len(instr)
+    return SimpleNamespace(
+        instructions=sorted(INSTR), instruction=np.array(instr, dtype=object), horizon=1,
+        state=np.concatenate(states).astype(np.float32), action=np.concatenate(actions).astype(np.float32),
+        episode=np.concatenate(ep), start=(np.arange(n) // T) * T, length=np.full(n, T),
+        progress=np.tile(np.arange(T) / (T - 1), n // T).astype(np.float32), __len__=lambda: n)
+
+
+class _Data(SimpleNamespace):
+    def __len__(self):
+        return len(self.state)
+
+
+def test_demonstrated_elsewhere_marks_where_tasks_still_act_alike():
+    from train.cig import demonstrated_elsewhere
+    d = _Data(**vars(_shared_prefix_data()))
+    m = demonstrated_elsewhere(d, radius=1.5, chunk=7)
+    col = {l: d.instructions.index(l) for l in INSTR}
+    red_left = d.instruction == INSTR[0]
+    early, late = red_left & (d.progress < 0.5), red_left & (d.progress > 0.5)
+    assert m[early, col[INSTR[1]]].mean() > 0.6  # red right acts the same there
+    assert not m[late, col[INSTR[1]]].any()       # ... and not once they part
+    assert not m[red_left][:, [col[INSTR[2]], col[INSTR[3]]]].any()  # blue tasks never
+    assert not m[red_left, col[INSTR[0]]].any()   # never the sample's own instruction
+
+
+def test_cig_skips_negatives_the_data_demonstrates():
+    from train.cig import cig_loss
+    d = _Data(**vars(_shared_prefix_data()))
+    p = _policy("flow")
+    p.config.horizon = 1
+    obj = CIGObjective(p, d, CIGOptions(weight=1.0, negatives=2, variant="bounded", draws=2, demonstrated_radius=1.5))
+    idx = np.flatnonzero((d.instruction == INSTR[0]) & (d.progress < 0.5))[:8]
+    batch = {"state": np.pad(d.state[idx], ((0, 0), (0, 3))), "action": np.repeat(d.action[idx][:, None], 4, 1),
+             "action_pad": np.zeros((len(idx), 4), bool), "instruction": list(d.instruction[idx]), "index": idx}
+    loss, m = obj.loss(batch, torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss) and loss.requires_grad and m["cig_samples"] > 0
+    excluded = obj.demonstrated[idx, d.instructions.index(INSTR[1])]
+    drawn = obj.sampler.report().get(f"{INSTR[0]} -> {INSTR[1]}", 0)
+    assert excluded.sum() >= 5 and drawn <= (~excluded).sum()  # drawn only where the data parts them
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):  # two blue negatives are always available instead
+        assert INSTR[1] not in obj.sampler.draw([INSTR[0]], g, [{INSTR[1]}])[0]
+    # the loss counts only valid columns: an invalid column with a huge hinge changes nothing
+    s = torch.tensor([[2.0, 1.5, -50.0], [0.0, 0.5, 1.0]])
+    valid = torch.tensor([[True, False], [True, True]])
+    want = torch.tensor((max(1 - (2.0 - 1.5), 0) + max(1 - (0 - 0.5), 0) + max(1 - (0 - 1.0), 0)) / 3)
+    assert torch.allclose(cig_loss(s, "bounded", 1.0, valid), want)
+    assert torch.allclose(cig_loss(s, "full", valid=valid), torch.nn.functional.cross_entropy(
+        torch.tensor([[2.0, 1.5, float("-inf")], [0.0, 0.5, 1.0]]), torch.zeros(2, dtype=torch.long)))
+    with pytest.raises(ValueError, match="demonstrated_radius"):
+        CIGObjective(p, d, CIGOptions(weight=1.0, demonstrated_radius=-1.0))

@@ -58,21 +58,37 @@ class CIGOptions:
     Tried as a fix for joint CIG's mid-episode switches (the contrast's push on the l' conditional at
     later states of l says "not a_l", nothing about what to do): measured no better there (tabletop,
     3 seeds, max_progress 0.25) and 4 points lower in distribution; README, grounding section"""
+    demonstrated_radius: float = 0.0
+    """> 0: an instruction l' is no counterfactual for a sample when the data demonstrates it there:
+    some sample of l' lies within this multiple of the distance from the sample to the nearest
+    sample of l* in another episode (standardized state + action chunk). Tasks that share a
+    prefix (the same object picked for two receptacles) act alike until they part; contrasting
+    them there asks the l' conditional to be wrong on its own demos. 0: off (every other task)"""
     paraphrases_as_negatives: bool = False
     """never True in practice: a paraphrase is not a counterfactual (kept for the ablation guard)"""
 
 
-def cig_loss(scores: torch.Tensor, variant: str, margin: float = 1.0) -> torch.Tensor:
+def cig_loss(scores: torch.Tensor, variant: str, margin: float = 1.0,
+             valid: torch.Tensor | None = None) -> torch.Tensor:
     """L_CIG from (B, K) scores whose column 0 is the commanded instruction.
 
     full / detached: -log softmax(s)[0] (detached differs only in how the scores were computed);
     bounded: mean_k relu(margin - (s_0 - s_k)); pmi (K = 2, column 1 the null instruction):
-    relu(margin - (s_0 - sg(s_1)))."""
+    relu(margin - (s_0 - sg(s_1))). ``valid`` (B, K - 1) bool: which counterfactual columns count
+    (every row needs one); None: all."""
     if variant == "pmi":
         return F.relu(margin - (scores[:, 0] - scores[:, 1].detach())).mean()
+    if valid is not None:
+        valid = valid.to(scores.device)
+        if not bool(valid.any(1).all()):
+            raise ValueError("cig_loss: every row needs at least one valid counterfactual")
     if variant == "bounded":
-        return F.relu(margin - (scores[:, :1] - scores[:, 1:])).mean()
+        hinge = F.relu(margin - (scores[:, :1] - scores[:, 1:]))
+        return hinge.mean() if valid is None else (hinge * valid).sum() / valid.sum()
     if variant in ("full", "detached"):
+        if valid is not None:
+            keep = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
+            scores = scores.masked_fill(~keep, float("-inf"))
         return F.cross_entropy(scores, torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device))
     raise ValueError(f"unknown CIG variant {variant!r}; valid: {', '.join(VARIANTS)}")
 
@@ -114,15 +130,22 @@ class CounterfactualSampler:
                              f"{next(iter(short))!r} (instruction set: {uniq})")
         self.used: Counter = Counter()
 
-    def draw(self, commanded: list[str], gen: torch.Generator) -> list[list[str]]:
+    def draw(self, commanded: list[str], gen: torch.Generator,
+             excluded: list[set[str]] | None = None) -> list[list[str]]:
+        """``[l*] + K negatives`` per sample. ``excluded[i]``: instructions that are no
+        counterfactual for sample ``i`` (the data demonstrates them there); they are drawn only
+        after every other candidate, so a sample gets them only when fewer than K others exist."""
         out = []
-        for l in commanded:
+        for i, l in enumerate(commanded):
             pool = self.pool[l]
             nh = self.n_hard[l]
             # hard negatives first (shuffled among themselves), then the rest of the suite
             hard = [pool[i] for i in torch.randperm(nh, generator=gen).tolist()] if nh else []
             rest = [pool[nh + i] for i in torch.randperm(len(pool) - nh, generator=gen).tolist()]
-            neg = (hard + rest)[: self.k]
+            order = hard + rest
+            if excluded is not None and excluded[i]:
+                order = [c for c in order if c not in excluded[i]] + [c for c in order if c in excluded[i]]
+            neg = order[: self.k]
             self.used.update((l, n) for n in neg)
             out.append([l] + neg)
         return out
@@ -149,8 +172,15 @@ class CIGObjective:
             raise ValueError("paraphrases are not counterfactual instructions; refusing paraphrases_as_negatives")
         if len(data.instructions) < 2:
             raise ValueError(f"CIG needs at least 2 instructions in the data, found {data.instructions}")
+        if options.demonstrated_radius < 0:
+            raise ValueError(f"CIG demonstrated_radius must be >= 0 (0: off), got {options.demonstrated_radius}")
         same = whole_suite_scenes(data.instructions) if same_scene is None else same_scene
         self.sampler = CounterfactualSampler(data.instructions, options.negatives, paraphrases, same)
+        self.data_instructions = list(data.instructions)
+        self.demonstrated: np.ndarray | None = None
+        """(N, n_instructions) bool: the data demonstrates instruction j at sample i (not a counterfactual)"""
+        if options.demonstrated_radius > 0:
+            self.demonstrated = demonstrated_elsewhere(data, options.demonstrated_radius)
         policy.lang.warm(data.instructions)
 
     def scores(self, batch: dict[str, Any], candidates: list[list[str]], gen: torch.Generator) -> torch.Tensor:
@@ -174,16 +204,66 @@ class CIGObjective:
             keep = keep[: o.batch]
         if len(keep) < n:
             batch = {k: _take(v, keep, n) for k, v in batch.items()}
-        candidates = self.sampler.draw(list(batch["instruction"]), gen)
+        valid = excluded = None
+        if self.demonstrated is not None and o.variant != "pmi":
+            if batch.get("index") is None:
+                raise ValueError("CIG demonstrated_radius > 0 needs the batch's sample index (ChunkData batches carry it)")
+            idx = np.asarray(batch["index"])
+            names = self.data_instructions
+            excluded = [{names[j] for j in np.flatnonzero(row)} for row in self.demonstrated[idx]]
+        candidates = self.sampler.draw(list(batch["instruction"]), gen, excluded)
+        if excluded is not None:
+            valid = torch.tensor([[c not in ex for c in cand[1:]] for cand, ex in zip(candidates, excluded)])
+            rows = np.flatnonzero(valid.any(1).numpy())
+            if not len(rows):  # every sample here is where its tasks still act alike: no term
+                return torch.zeros(()), {"loss_cig": 0.0, "cig_samples": 0.0}
+            if len(rows) < len(candidates):
+                batch = {k: _take(v, rows, len(candidates)) for k, v in batch.items()}
+                candidates, valid = [candidates[r] for r in rows], valid[torch.as_tensor(rows)]
         if o.variant == "pmi":
             candidates = [[c[0], NULL_INSTRUCTION] for c in candidates]
         scores = self.scores(batch, candidates, gen)
-        loss = cig_loss(scores, o.variant, o.margin)
+        loss = cig_loss(scores, o.variant, o.margin, valid)
         with torch.no_grad():
-            acc = (scores.argmax(1) == 0).float().mean()
-        return loss, {"loss_cig": float(loss.detach()), "cig_id_acc": float(acc), "cig_samples": float(len(keep)),
+            shown = scores if valid is None else scores.masked_fill(~torch.cat([torch.ones_like(valid[:, :1]), valid], 1), float("-inf"))
+            acc = (shown.argmax(1) == 0).float().mean()
+        return loss, {"loss_cig": float(loss.detach()), "cig_id_acc": float(acc), "cig_samples": float(len(candidates)),
                       "score_commanded": float(scores[:, 0].mean().detach()),
                       "score_counterfactual": float(scores[:, 1:].mean().detach())}
+
+
+def demonstrated_elsewhere(data: Any, radius: float, chunk: int = 1024) -> np.ndarray:
+    """(N, n_instructions) bool: instruction j is demonstrated at sample i, i.e. some sample of j
+    lies within ``radius`` x the distance from i to the nearest sample of its own instruction in
+    another episode. Points are the standardized state and action chunk (``data.horizon`` steps),
+    each block scaled by 1/sqrt(its width) so neither dominates. A sample's own instruction is
+    never marked; an instruction with one episode has no reference distance (nothing marked)."""
+    H = data.horizon
+    t = np.arange(len(data)) - data.start
+    steps = np.minimum(t[:, None] + np.arange(H)[None], data.length[:, None] - 1)
+    act = data.action[data.start[:, None] + steps].reshape(len(data), -1)
+
+    def z(x: np.ndarray) -> np.ndarray:
+        x = (x - x.mean(0)) / (x.std(0) + 1e-6)
+        return x / np.sqrt(x.shape[1])
+    pts = torch.as_tensor(np.concatenate([z(data.state), z(act)], 1), dtype=torch.float32)
+    names = list(data.instructions)
+    lab = np.array([names.index(l) for l in data.instruction])
+    ep = torch.as_tensor(data.episode)
+    groups = [torch.as_tensor(np.flatnonzero(lab == j)) for j in range(len(names))]
+    out = np.zeros((len(data), len(names)), dtype=bool)
+    for a in range(0, len(data), chunk):
+        rows = slice(a, min(a + chunk, len(data)))
+        near = torch.full((rows.stop - a, len(names)), float("inf"))
+        for j, g in enumerate(groups):
+            d = torch.cdist(pts[rows], pts[g])
+            d[ep[rows][:, None] == ep[g][None]] = float("inf")  # another episode only
+            near[:, j] = d.min(1).values
+        own = near[torch.arange(len(near)), torch.as_tensor(lab[rows])]
+        hit = near <= radius * own[:, None]
+        hit[torch.arange(len(near)), torch.as_tensor(lab[rows])] = False
+        out[rows] = hit.numpy()
+    return out
 
 
 def _take(v: Any, idx: np.ndarray, n: int) -> Any:
