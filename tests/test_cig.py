@@ -192,6 +192,8 @@ def test_demonstrated_elsewhere_marks_where_tasks_still_act_alike():
     assert not m[late, col[INSTR[1]]].any()       # ... and not once they part
     assert not m[red_left][:, [col[INSTR[2]], col[INSTR[3]]]].any()  # blue tasks never
     assert not m[red_left, col[INSTR[0]]].any()   # never the sample's own instruction
+    one = _Data(**{**vars(d), "episode": np.where(d.instruction == INSTR[0], 0, d.episode)})
+    assert not demonstrated_elsewhere(one, radius=1.5)[one.instruction == INSTR[0]].any()  # no reference: nothing
 
 
 def test_cig_skips_negatives_the_data_demonstrates():

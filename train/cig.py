@@ -87,10 +87,15 @@ def cig_loss(scores: torch.Tensor, variant: str, margin: float = 1.0,
         return hinge.mean() if valid is None else (hinge * valid).sum() / valid.sum()
     if variant in ("full", "detached"):
         if valid is not None:
-            keep = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
-            scores = scores.masked_fill(~keep, float("-inf"))
+            scores = _mask_invalid(scores, valid)
         return F.cross_entropy(scores, torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device))
     raise ValueError(f"unknown CIG variant {variant!r}; valid: {', '.join(VARIANTS)}")
+
+
+def _mask_invalid(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, K) scores with the counterfactual columns that do not count (``valid`` False) at -inf."""
+    keep = torch.cat([torch.ones_like(valid[:, :1]), valid.to(scores.device)], 1)
+    return scores.masked_fill(~keep, float("-inf"))
 
 
 def whole_suite_scenes(instructions: list[str]) -> dict[str, list[str]]:
@@ -225,8 +230,7 @@ class CIGObjective:
         scores = self.scores(batch, candidates, gen)
         loss = cig_loss(scores, o.variant, o.margin, valid)
         with torch.no_grad():
-            shown = scores if valid is None else scores.masked_fill(~torch.cat([torch.ones_like(valid[:, :1]), valid], 1), float("-inf"))
-            acc = (shown.argmax(1) == 0).float().mean()
+            acc = ((scores if valid is None else _mask_invalid(scores, valid)).argmax(1) == 0).float().mean()
         return loss, {"loss_cig": float(loss.detach()), "cig_id_acc": float(acc), "cig_samples": float(len(candidates)),
                       "score_commanded": float(scores[:, 0].mean().detach()),
                       "score_counterfactual": float(scores[:, 1:].mean().detach())}
@@ -260,7 +264,7 @@ def demonstrated_elsewhere(data: Any, radius: float, chunk: int = 1024) -> np.nd
             d[ep[rows][:, None] == ep[g][None]] = float("inf")  # another episode only
             near[:, j] = d.min(1).values
         own = near[torch.arange(len(near)), torch.as_tensor(lab[rows])]
-        hit = near <= radius * own[:, None]
+        hit = (near <= radius * own[:, None]) & torch.isfinite(own)[:, None]
         hit[torch.arange(len(near)), torch.as_tensor(lab[rows])] = False
         out[rows] = hit.numpy()
     return out
