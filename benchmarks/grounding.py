@@ -49,6 +49,7 @@ from train.bc import train  # noqa: E402
 from train.cig import CIGOptions  # noqa: E402
 from train.collect import CollectArgs, collect  # noqa: E402
 from train.evaluate import evaluate  # noqa: E402
+from train.protocols import REACH_NEAR, REACH_STEPS, REACH_TOWARD  # noqa: E402
 from train.recipes import recipe_args  # noqa: E402
 
 SUITES = {"tabletop": "maniskill/TabletopSuite-v1", "kitchen": "robosuite/KitchenSuite"}
@@ -542,6 +543,8 @@ def _switch_table(sw: dict[str, Any]) -> list[str]:
             for cond, keys in conds.items():
                 families |= {p["old_family"] for r in keys.values() for p in r["per_case"] if p["counted"]}
         families = sorted(families)
+        reach = any(p.get("reach") for c in fams.values() for keys in c.values() for r in keys.values()
+                    for p in r["per_case"])
         for fa, conds in fams.items():
             for cond, keys in conds.items():
                 by: dict[str, list[tuple[int, dict[str, Any]]]] = {}
@@ -565,12 +568,21 @@ def _switch_table(sw: dict[str, Any]) -> list[str]:
                                  f"[{lo:.2f}, {hi:.2f}]", " / ".join(f"{x:.2f}" for x in rates)]
                                 + [cell(f"old task: {f}") for f in families]
                                 + [cell("at switch: object in hand"), cell("at switch: hand empty"),
-                                   f"{len(failed) - other} / {other}"])
+                                   f"{len(failed) - other} / {other}"] + (_reach_cells(cases) if reach else []))
         lines += [f"### {su}", "", md_table(
             ["policy", "trained on", "method", "seeds", "P4 [95% CI]", "per seed"]
             + [f"old task {f}" for f in families]
-            + ["object in hand at switch", "hand empty at switch", "failures: nothing done / a task done"], rows), ""]
+            + ["object in hand at switch", "hand empty at switch", "failures: nothing done / a task done"]
+            + ([f"{REACH_STEPS} steps on: at the old object (< {REACH_NEAR * 100:.1f} cm)",
+                f"{REACH_STEPS} steps on: {REACH_TOWARD * 100:.0f} cm closer to the new one"] if reach else []), rows), ""]
     return lines
+
+
+def _reach_cells(cases: list[dict[str, Any]]) -> list[str]:
+    """Where the gripper headed after the switch (envs that report it): counts over counted cases."""
+    r = [p["reach"] for p in cases if p["counted"] and p.get("reach")]
+    return [f"{sum(x[k] for x in r)}/{len(r)} ({sum(x[k] for x in r) / len(r):.2f})" if r else "-"
+            for k in ("went_to_old", "toward_new")]
 
 
 def _plot(res: dict[str, Any], path: Path) -> None:

@@ -12,7 +12,8 @@ state, so following the instruction is necessary and measurable:
 ``info["success"]`` is true only when the commanded task holds; ``info["completed_tasks"]`` is a
 bool mask over the suite's tasks, True where the task's condition holds (to report "did a
 different task"; the same convention as the ManiSkill tabletop suite); ``info["grasped"]`` one
-flag per object, True while the gripper holds it (what a mid-episode switch interrupted).
+flag per object, True while the gripper holds it (what a mid-episode switch interrupted), and
+``info["eef_distance"]`` the gripper's distance to each object in metres (where it is heading).
 
 Layouts: ``"random"`` draws the slot of every object from the seed alone (all instructions see
 the same initial state for a seed); ``"correlated"`` makes the slot assignment a function of the
@@ -267,7 +268,10 @@ class KitchenSuiteEnv(RobosuiteEnv):
         mask = np.zeros(len(TASKS), dtype=bool)
         mask[self.rs.completed_tasks()] = True
         grasped = np.array([self.rs._check_grasp(self.rs.robots[0].gripper, obj) for obj in self.rs.objects])
-        return {"completed_tasks": mask, "task_id": self.task_id, "grasped": grasped}
+        d = self.rs.sim.data
+        eef = np.array(d.site_xpos[self.rs.eef_site_id])
+        dist = np.array([np.linalg.norm(eef - d.body_xpos[b]) for b in self.rs.object_body_ids])
+        return {"completed_tasks": mask, "task_id": self.task_id, "grasped": grasped, "eef_distance": dist}
 
     @property
     def task(self) -> Task:

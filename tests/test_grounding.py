@@ -303,3 +303,19 @@ def test_evaluate_protocols_expert_reference(tabletop):
         evaluate_protocols(ExpertPolicy(), "tabletop", env_options={"layout": "correlated"})
     with pytest.raises(InvalidOptionError, match="valid"):
         evaluate_protocols(ExpertPolicy(), "tabletop", protocols=["p2"], env=tabletop)
+
+
+def test_switch_records_where_the_gripper_heads_on_the_kitchen():
+    kitchen = envs.make(KITCHEN)
+    try:
+        suite = kitchen.suite
+        old = suite.tasks[0].instruction  # red cube on the plate
+        new = switch_targets(suite, old)[0]
+        case = SwitchCase(5, old, new, 28, expert_success=True)
+        follows = switch_eval(ExpertPolicy(), KITCHEN, cases=[case], env=kitchen)["per_case"][0]["reach"]
+        stays = switch_eval(Stubborn(), KITCHEN, cases=[case], env=kitchen)["per_case"][0]["reach"]
+    finally:
+        kitchen.close()
+    assert follows["toward_new"] and not follows["went_to_old"]
+    assert stays["went_to_old"] and not stays["toward_new"]
+    assert stays["after_20"][0] < follows["after_20"][0] and follows["after_20"][1] < stays["after_20"][1]

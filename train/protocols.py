@@ -426,8 +426,12 @@ def _switch_rollout(policy: Any, env: Any, case: SwitchCase, replan: bool = True
     obs, info = env.reset(seed=case.seed, options={"instruction": case.old})
     policy.reset()
     out = {"success": False, "old_completed": False, "other_task": False, "new_before_switch": False, "steps": 0,
-           "held_at_switch": None, "other_tasks": []}
+           "held_at_switch": None, "other_tasks": [], "reach": None}
+    objs = [suite.task(x).args.get("object_index") for x in (case.old, case.new)]
+    reach: list[list[float]] = []  # gripper distance to [old, new] object per step from the switch on
     for step in range(env.max_episode_steps):
+        if step >= case.switch_after and "eef_distance" in info and None not in objs and objs[0] != objs[1]:
+            reach.append([float(info["eef_distance"][o]) for o in objs])
         if step == case.switch_after:
             held = info.get("grasped")  # what the gripper holds when the command changes (None: not reported)
             out["held_at_switch"] = None if held is None else bool(np.asarray(held).any())
@@ -452,7 +456,19 @@ def _switch_rollout(policy: Any, env: Any, case: SwitchCase, replan: bool = True
                     break
         if trunc:
             break
+    if reach:
+        r = np.array(reach)
+        k = min(REACH_STEPS, len(r) - 1)
+        out["reach"] = {"at_switch": r[0].tolist(), f"after_{REACH_STEPS}": r[k].tolist(), "end": r[-1].tolist(),
+                        "went_to_old": bool(r[k, 0] < REACH_NEAR),
+                        "toward_new": bool(r[k, 1] < r[0, 1] - REACH_TOWARD)}
     return out
+
+
+REACH_STEPS, REACH_NEAR, REACH_TOWARD = 20, 0.035, 0.02
+"""switch rollouts on envs that report ``eef_distance`` (the kitchen): REACH_STEPS steps after the
+switch the gripper is within REACH_NEAR m of the old task's object ("went to old": it kept at the old
+task), and REACH_TOWARD m closer to the new task's object than at the switch ("toward new")"""
 
 
 def switch_cases(env_id: str, episodes: int = 24, seed: int = 3000, instructions: list[str] | None = None,
