@@ -538,13 +538,11 @@ def _switch_table(sw: dict[str, Any]) -> list[str]:
              "was completed and those where some other task was.", ""]
     order = {m: i for i, m in enumerate(METHODS)}
     for su, fams in sw.items():
-        rows, families = [], set()
-        for fa, conds in fams.items():
-            for cond, keys in conds.items():
-                families |= {p["old_family"] for r in keys.values() for p in r["per_case"] if p["counted"]}
-        families = sorted(families)
-        reach = any(p.get("reach") for c in fams.values() for keys in c.values() for r in keys.values()
-                    for p in r["per_case"])
+        rows = []
+        every = [p for conds in fams.values() for keys in conds.values() for r in keys.values()
+                 for p in r["per_case"] if p["counted"]]
+        families = sorted({p["old_family"] for p in every})
+        reach = any(p.get("reach") for p in every)
         for fa, conds in fams.items():
             for cond, keys in conds.items():
                 by: dict[str, list[tuple[int, dict[str, Any]]]] = {}

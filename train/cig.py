@@ -181,9 +181,9 @@ class CIGObjective:
             raise ValueError(f"CIG demonstrated_radius must be >= 0 (0: off), got {options.demonstrated_radius}")
         same = whole_suite_scenes(data.instructions) if same_scene is None else same_scene
         self.sampler = CounterfactualSampler(data.instructions, options.negatives, paraphrases, same)
-        self.data_instructions = list(data.instructions)
         self.demonstrated: np.ndarray | None = None
-        """(N, n_instructions) bool: the data demonstrates instruction j at sample i (not a counterfactual)"""
+        """(N, n_instructions) bool: the data demonstrates instruction j (``sampler.instructions[j]``,
+        the data's instructions in order) at sample i: no counterfactual there"""
         if options.demonstrated_radius > 0:
             self.demonstrated = demonstrated_elsewhere(data, options.demonstrated_radius)
         policy.lang.warm(data.instructions)
@@ -214,7 +214,7 @@ class CIGObjective:
             if batch.get("index") is None:
                 raise ValueError("CIG demonstrated_radius > 0 needs the batch's sample index (ChunkData batches carry it)")
             idx = np.asarray(batch["index"])
-            names = self.data_instructions
+            names = self.sampler.instructions
             excluded = [{names[j] for j in np.flatnonzero(row)} for row in self.demonstrated[idx]]
         candidates = self.sampler.draw(list(batch["instruction"]), gen, excluded)
         if excluded is not None:
