@@ -103,6 +103,12 @@ class Args:
     cig_radius: float = 1.25
     """``..._consistent`` CIG methods: CIGOptions.demonstrated_radius (no negative the data demonstrates
     at the sample: tasks that share a prefix are not contrasted on it)"""
+    relative_state: tuple[str, ...] = ()
+    """TrainArgs.relative_state for every run trained from scratch, e.g. '*_cube_pose:tcp_pose'
+    '*_goal_pos:tcp_pose' (object positions relative to the gripper; give these runs their own --runs)"""
+    label: str = ""
+    """suffix of the method names in the results (e.g. '_relative' for runs with --relative-state), so
+    they merge beside the plain runs instead of over them"""
     cont_lr: float = 3e-4
     """peak learning rate of continuations (the base run's cosine schedule ended near 0)"""
     recheck_episodes: int = 96
@@ -139,6 +145,8 @@ def _train(a: Args, out: Path, **kw: Any) -> dict[str, Any]:
         shutil.rmtree(out)
     if a.steps and "steps" not in kw:
         kw["steps"] = a.steps
+    if a.relative_state and "init_from" not in kw:
+        kw["relative_state"] = a.relative_state
     args = recipe_args("multitask", out=out, wandb="disabled", progress=False, save_every=10**9, **kw)
     s = train(args)
     s["train_minutes"] = s["seconds"] / 60
@@ -279,7 +287,7 @@ def protocols(a: Args, res: dict[str, Any]) -> None:
                             p2 = _p1(pol, suite, a.protocol_episodes, seed=60_000)
                             rows[f"p2_rho{a.rho}_success"] = {"rate": p2["success"], "ci95": p2["ci95"], "n": p2["episodes"]}
                             rows[f"p2_rho{a.rho}_did_other_task"] = p2["did_other_task"]
-                    key = f"{method}_s{seed}"
+                    key = f"{method}{a.label}_s{seed}"
                     res.setdefault("protocols_raw", {}).setdefault(suite, {}).setdefault(fam, {})[key] = rows
                     _aggregate(res)
                     print(f"[protocols] {suite} {fam} {method} s{seed}: " + json.dumps(
@@ -357,7 +365,7 @@ def recheck(a: Args, res: dict[str, Any]) -> None:
     for suite, fam, cond, method, seed, run in _checkpoints(a, "recheck"):
         r = _p1(policies.load(run / "ckpt"), suite, a.recheck_episodes, seed=70_000)
         res.setdefault("recheck", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
-            f"{method}_s{seed}"] = {k: r[k] for k in ("success", "ci95", "episodes", "did_other_task")} | {
+            f"{method}{a.label}_s{seed}"] = {k: r[k] for k in ("success", "ci95", "episodes", "did_other_task")} | {
             "run": str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else str(run)}
         print(f"[recheck] {suite} {fam} {cond} {method} s{seed}: {r['success']:.2f}", flush=True)
         _save(a, res)
@@ -377,7 +385,7 @@ def switch(a: Args, res: dict[str, Any]) -> None:
         ev = switch_eval(policies.load(run / "ckpt"), SUITES[suite], cases=cases[suite])
         groups = _switch_groups(ev["per_case"])
         res.setdefault("switch", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
-            f"{method}_s{seed}"] = {
+            f"{method}{a.label}_s{seed}"] = {
             "success": ev["switch_success_rate"], "ci95": ev["ci95"], "episodes": ev["episodes"],
             "old_task_completed": ev["old_task_completed_rate"], "did_other_task": ev["did_other_task_rate"],
             "groups": {g: {"successes": k, "episodes": n} for g, (k, n) in sorted(groups.items())},

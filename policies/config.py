@@ -71,6 +71,12 @@ class PolicyConfig:
     Joint velocities let a policy copy its previous motion instead of reading the scene (the
     copycat problem of behaviour cloning, Wen et al. 2020): on the kitchen suite the first step,
     from rest, went the wrong way 40% of the time and the policy then kept going"""
+    state_relative: tuple[tuple[int, int], ...] = ()
+    """(position start, reference start) index pairs: the policy also reads the 3-vector
+    ``state[p:p+3] - state[r:r+3]`` of each pair (standardized on the training data), e.g. every
+    cube and goal relative to the gripper (train: ``--relative-state``). In absolute coordinates a
+    gripper next to cube A, then told to push cube B, is in a state no demonstration of B passes
+    through; relative to the gripper, approaching B looks alike from anywhere"""
     lang_norm: bool = False
     """centre the instruction features on the training instructions' mean and scale them to unit
     RMS (statistics in the checkpoint). MiniLM sentence features of one suite share most of their
@@ -109,6 +115,12 @@ class PolicyConfig:
                                       and len(self.state_ignore) < self.state_dim):
             raise ValueError(f"state_ignore {list(self.state_ignore)} must name some, not all, of the "
                              f"{self.state_dim} state entries")
+        self.state_relative = tuple((int(p), int(r)) for p, r in self.state_relative)
+        bad = [(p, r) for p, r in self.state_relative
+               if p == r or not (0 <= p <= self.state_dim - 3 and 0 <= r <= self.state_dim - 3)]
+        if bad:
+            raise ValueError(f"state_relative pairs {bad} must be two different 3-vectors inside the "
+                             f"{self.state_dim} state entries")
         if self.fusion not in ("late", "early"):
             raise ValueError(f"fusion must be 'late' or 'early', got {self.fusion!r}")
         self.state_hidden = self.state_hidden or self.d_model
@@ -141,4 +153,5 @@ class PolicyConfig:
         d = dict(d)
         d["cameras"] = tuple(d.get("cameras", ()))
         d["state_ignore"] = tuple(d.get("state_ignore", ()))
+        d["state_relative"] = tuple(tuple(pr) for pr in d.get("state_relative", ()))
         return cls(**d)

@@ -28,7 +28,7 @@ class MLPPolicy(VLAModel):
         self.layers = nn.ModuleList()
         self.state_proj = self.lang_proj = self.final_norm = None
         width = c.state_hidden
-        self.net = nn.Sequential(nn.Linear(len(self.state_keep) + c.lang_dim, width), nn.GELU(),
+        self.net = nn.Sequential(nn.Linear(self.state_in_dim + c.lang_dim, width), nn.GELU(),
                                  nn.Linear(width, width), nn.GELU(),
                                  nn.Linear(width, c.horizon * c.action_dim))
 

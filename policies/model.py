@@ -67,13 +67,20 @@ class VLAModel(nn.Module):
             raise ValueError("PolicyConfig needs state_dim and action_dim (> 0)")
         self.config = c = config
         d = c.d_model
-        self.normalizer = Normalizer(c.state_dim, c.action_dim, c.lang_dim if c.lang_norm else 0)
+        self.normalizer = Normalizer(c.state_dim, c.action_dim, c.lang_dim if c.lang_norm else 0,
+                                     3 * len(c.state_relative))
         self.lang = LanguageEncoder(c.lang_tokens, c.max_lang_tokens)
         self.lang_proj = nn.Linear(c.lang_dim, d)
         self.null_lang = nn.Parameter(torch.zeros(1, 1, d))  # the "no instruction" condition
         keep = [i for i in range(c.state_dim) if i not in set(c.state_ignore)]
         self.register_buffer("state_keep", torch.tensor(keep, dtype=torch.long), persistent=False)
-        state_in = len(keep) + (c.lang_dim if c.fusion == "early" else 0)
+        if c.state_relative:
+            p, r = (torch.tensor([[i + k for k in range(3)] for i in idx]) for idx in zip(*c.state_relative))
+            self.register_buffer("rel_pos_idx", p.flatten(), persistent=False)
+            self.register_buffer("rel_ref_idx", r.flatten(), persistent=False)
+        self.state_in_dim = len(keep) + 3 * len(c.state_relative)
+        """width of what ``state_input`` returns"""
+        state_in = self.state_in_dim + (c.lang_dim if c.fusion == "early" else 0)
         self.state_proj = nn.Sequential(nn.Linear(state_in, c.state_hidden), nn.GELU(), nn.Linear(c.state_hidden, d))
         self.vision = (ImageEncoder(d, c.cameras, backbone=c.vision, frozen=c.vision_frozen, shift=c.image_shift,
                                     pool=c.image_pool, jitter=c.image_jitter)
@@ -146,9 +153,17 @@ class VLAModel(nn.Module):
         return torch.cat(toks, 1), torch.cat(masks, 1)
 
     def state_input(self, state: torch.Tensor) -> torch.Tensor:
-        """The normalized state entries the policy reads (all but ``config.state_ignore``)."""
+        """The normalized state entries the policy reads (all but ``config.state_ignore``), then the
+        standardized relative positions of ``config.state_relative``."""
         s = self.normalizer.state(state)
-        return s if len(self.state_keep) == s.shape[-1] else s[..., self.state_keep]
+        s = s if len(self.state_keep) == s.shape[-1] else s[..., self.state_keep]
+        if not self.config.state_relative:
+            return s
+        return torch.cat([s, self.normalizer.relative(self._relative(state))], -1)
+
+    def _relative(self, state: torch.Tensor) -> torch.Tensor:
+        """Raw (..., 3k) positions minus their references (``config.state_relative``)."""
+        return state[..., self.rel_pos_idx] - state[..., self.rel_ref_idx]
 
     def action_cond(self, prefix: torch.Tensor) -> torch.Tensor | float:
         """What every action token adds to its input: with early fusion the fused state-instruction
@@ -256,6 +271,8 @@ class VLAModel(nn.Module):
     def fit_normalizer(self, states: np.ndarray, actions: np.ndarray, instructions: list[str] | None = None) -> None:
         """Dataset statistics; with ``config.lang_norm`` also those of the training ``instructions``."""
         self.normalizer.fit(states, actions)
+        if self.config.state_relative:
+            self.normalizer.fit_relative(self._relative(torch.as_tensor(np.asarray(states), dtype=torch.float32)))
         if self.config.lang_norm:
             if not instructions:
                 raise ValueError("lang_norm needs the training instructions to fit the language statistics")

@@ -11,8 +11,11 @@ from torch import nn
 
 
 class Normalizer(nn.Module):
-    def __init__(self, state_dim: int, action_dim: int, lang_dim: int = 0):
+    def __init__(self, state_dim: int, action_dim: int, lang_dim: int = 0, relative_dim: int = 0):
         super().__init__()
+        if relative_dim:  # only policies configured with state_relative carry (and save) these
+            self.register_buffer("relative_mean", torch.zeros(relative_dim))
+            self.register_buffer("relative_std", torch.ones(relative_dim))
         if lang_dim:  # only policies configured with lang_norm carry (and save) these
             self.register_buffer("lang_mean", torch.zeros(lang_dim))
             self.register_buffer("lang_scale", torch.ones(()))
@@ -35,6 +38,11 @@ class Normalizer(nn.Module):
         self.action_max.copy_(hi + pad)
         self.action_var.copy_(self.action(a).var(0).clamp_min(1e-6))
 
+    def fit_relative(self, rel: torch.Tensor) -> None:
+        """Statistics of the (N, 3k) relative positions (``PolicyConfig.state_relative``)."""
+        self.relative_mean.copy_(rel.mean(0))
+        self.relative_std.copy_(rel.std(0).clamp_min(1e-3))
+
     def fit_language(self, feats: torch.Tensor, mask: torch.Tensor) -> None:
         """Instruction-feature statistics from (N, L, D) features of the training instructions
         (padding ``mask`` True): per-dimension mean, one scale (RMS of the centred features), so
@@ -55,6 +63,9 @@ class Normalizer(nn.Module):
 
     def state(self, s: torch.Tensor) -> torch.Tensor:
         return (s - self.state_mean) / self.state_std
+
+    def relative(self, rel: torch.Tensor) -> torch.Tensor:
+        return (rel - self.relative_mean) / self.relative_std
 
     def action(self, a: torch.Tensor) -> torch.Tensor:
         return 2 * (a - self.action_min) / (self.action_max - self.action_min) - 1

@@ -312,6 +312,37 @@ def test_ignored_state_slices_are_not_read(tmp_path, push_data):
                         ignore_state=("*velocity",)))
 
 
+def test_relative_state_reads_positions_relative_to_the_reference(tmp_path, push_data):
+    """--relative-state 'SLICES:REF' adds each matching slice's position minus REF's: moving the
+    gripper changes them, moving the gripper AND the cube together does not; the statistics travel
+    in the checkpoint; a spec naming no slice is refused with the slice names."""
+    from dataset import Dataset
+    from envs.errors import InvalidOptionError
+    names = [n for n, _ in Dataset(push_data).meta["state_layout"]]
+    assert names == ["agent/qpos", "agent/qvel", "extra/tcp_pose", "extra/goal_pos", "extra/obj_pose"]
+    out = tmp_path / "rel"
+    train(TrainArgs(data=(push_data,), steps=30, batch_size=16, out=out, wandb="disabled", progress=False,
+                    relative_state=("*_pos*:extra/tcp_pose",)))
+    p = policies.load(out / "ckpt")
+    assert p.config.state_relative == ((25, 18), (28, 18))  # goal and cube relative to the tcp
+    state = torch.as_tensor(Dataset(push_data).episode(0).state[5], dtype=torch.float32)[None]
+    x = p.state_input(state)
+    assert x.shape == (1, 35 + 6) and torch.isfinite(x).all()
+    raw = x[0, -6:] * p.normalizer.relative_std + p.normalizer.relative_mean
+    assert torch.allclose(raw[:3], state[0, 25:28] - state[0, 18:21], atol=1e-5)
+    moved = state.clone()
+    moved[0, 18:21] += 0.1  # the tcp
+    assert not torch.allclose(p.state_input(moved)[0, -6:], x[0, -6:])
+    moved[0, 25:28] += 0.1  # ... and the goal with it
+    assert torch.allclose(p.state_input(moved)[0, -6:-3], x[0, -6:-3], atol=1e-5)
+    with pytest.raises(InvalidOptionError, match="no slice 'tcp_pose'.*extra/tcp_pose"):
+        train(TrainArgs(data=(push_data,), steps=2, out=tmp_path / "typo", wandb="disabled", progress=False,
+                        relative_state=("*obj_pose:tcp_pose",)))
+    with pytest.raises(InvalidOptionError, match="SLICES:REF"):
+        train(TrainArgs(data=(push_data,), steps=2, out=tmp_path / "typo2", wandb="disabled", progress=False,
+                        relative_state=("*obj_pose",)))
+
+
 def test_ar_smoothed_bin_targets_are_gaussians_on_the_bins():
     p = _tiny("ar", n_bins=16, bin_sigma=0.75)
     q = p.soft_targets(torch.tensor([[0, 7, 15]]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from tqdm import tqdm
 import policies
 from envs import make as make_env
 from envs import state_indices
-from envs.errors import CheckpointError, GroundflowError
+from envs.errors import CheckpointError, GroundflowError, InvalidOptionError
 from policies import PolicyConfig, make_policy
 from policies.config import ImagePool, VisionBackbone
 from policies.model import check_vocabulary
@@ -86,6 +87,10 @@ class TrainArgs:
     ignore_state: tuple[str, ...] = ()
     """state slices the policy does not read, by name in the env's state layout (shell patterns,
     e.g. '*vel' '*_acc': joint velocities invite copying the previous motion; see PolicyConfig.state_ignore)"""
+    relative_state: tuple[str, ...] = ()
+    """'SLICES:REF' specs, by name in the env's state layout (SLICES a shell pattern): the policy also
+    reads the position (first 3 entries) of every matching slice minus that of REF, e.g.
+    '*_cube_pose:tcp_pose' '*_goal_pos:tcp_pose' (see PolicyConfig.state_relative)"""
     lang_norm: bool = _MODEL.lang_norm
     """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
     steps: int = 2000
@@ -128,7 +133,7 @@ class TrainArgs:
 
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
                 "image_shift", "image_jitter", "image_pool", "aux_state_weight", "fusion", "state_hidden",
-                "lang_norm", "ignore_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
+                "lang_norm", "ignore_state", "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
 def _dist() -> tuple[int, int]:
@@ -164,17 +169,50 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def _state_ignore(patterns: tuple[str, ...], data: ChunkData) -> list[int]:
-    """State indices named by ``--ignore-state`` patterns, in the layout the dataset recorded (or,
-    for datasets collected before layouts were recorded, the layout of a fresh env)."""
-    if not patterns:
-        return []
+def _layout(data: ChunkData) -> list | None:
+    """The state layout the dataset recorded (or, for datasets collected before layouts were
+    recorded, the layout of a fresh env)."""
     layout = data.state_layout
     if layout is None and data.env_id:
         env = make_env(data.env_id)
         layout = env.unwrapped.state_layout
         env.close()
-    return state_indices(layout, tuple(patterns), data.env_id or "")  # PolicyConfig refuses hiding it all
+    return layout
+
+
+def _state_ignore(patterns: tuple[str, ...], data: ChunkData) -> list[int]:
+    """State indices named by ``--ignore-state`` patterns."""
+    if not patterns:
+        return []
+    return state_indices(_layout(data), tuple(patterns), data.env_id or "")  # PolicyConfig refuses hiding it all
+
+
+def _state_relative(specs: tuple[str, ...], data: ChunkData) -> list[tuple[int, int]]:
+    """(position start, reference start) pairs named by ``--relative-state`` 'SLICES:REF' specs."""
+    if not specs:
+        return []
+    layout, env_id = _layout(data), data.env_id or ""
+    slices, start = {}, 0  # name -> (start, size)
+    for name, size in layout or []:
+        slices[name] = (start, size)
+        start += size
+    pairs: list[tuple[int, int]] = []
+    for spec in specs:
+        pattern, sep, ref = spec.partition(":")
+        if not (sep and pattern and ref):
+            raise InvalidOptionError(f"--relative-state {spec!r}: expected 'SLICES:REF', e.g. '*_cube_pose:tcp_pose'")
+        if ref not in slices:
+            raise InvalidOptionError(f"--relative-state {spec!r}: {env_id or 'the'} state has no slice {ref!r}; "
+                                     f"its slices: {list(slices)}")
+        state_indices(layout, (pattern,), env_id)  # names the slices when the pattern matches none
+        for name, (st, size) in slices.items():
+            if name == ref or not fnmatch.fnmatchcase(name, pattern):
+                continue
+            if min(size, slices[ref][1]) < 3:
+                raise InvalidOptionError(f"--relative-state {spec!r}: {name!r} and {ref!r} must each start with "
+                                         "a 3-D position")
+            pairs.append((st, slices[ref][0]))
+    return pairs
 
 
 def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
@@ -199,7 +237,8 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
                            state_hidden=args.state_hidden,
                            lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
                            cfg_scale=args.cfg_scale, n_bins=args.n_bins, bin_sigma=args.bin_sigma,
-                           state_ignore=tuple(_state_ignore(args.ignore_state, data)))
+                           state_ignore=tuple(_state_ignore(args.ignore_state, data)),
+                           state_relative=tuple(_state_relative(args.relative_state, data)))
         policy = make_policy(cfg)
         policy.fit_normalizer(data.state, data.action, data.instructions)
     policy.config.cfg_scale = args.cfg_scale
