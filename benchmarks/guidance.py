@@ -11,6 +11,7 @@ PNG per testbed.
 
     .venv/bin/python benchmarks/guidance.py                  # ~5-10 min on 2 CPU cores
     .venv/bin/python benchmarks/guidance.py --testbeds gmm2d_linear --model oracle
+    .venv/bin/python benchmarks/guidance.py --configs none particles4   # adds (replaces) these configs' rows
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "coupled_renoise0.6": ("coupled", {"sigma": "jacobian", "renoise": 0.6}),  # Jacobian ls + DDIM-eta 0.6
     "coupled_diag_renoise1": ("coupled", {"renoise": 1.0}),              # the default step + DDIM-eta 1 (no backward)
     "coupled_diag_renoise0.6": ("coupled", {"renoise": 0.6}),            # the default step + DDIM-eta 0.6
+    # coupled-guided DDIM-eta paths, one kept by importance weights that undo the guidance (GuidedParticles)
+    "guided_particles4": ("guided_particles", {"n_particles": 4}),                         # eta 1
+    "guided_particles4_eta0.5": ("guided_particles", {"n_particles": 4, "renoise": 0.5}),
+    "guided_particles4_eta0.3": ("guided_particles", {"n_particles": 4, "renoise": 0.3}),
+    "guided_particles16_eta0.5": ("guided_particles", {"n_particles": 16, "renoise": 0.5}),
+    "guided_particles16_eta0.3": ("guided_particles", {"n_particles": 16, "renoise": 0.3}),
     "coupled_sampled_renoise0.6": ("coupled", {"step": "sampled", "n_particles": 32, "renoise": 0.6}),
     "coupled_late": ("coupled", {**_LIN, "sigma": "independent", "t_start": 0.3}),  # guidance only for t >= 0.3
     "coupled_early": ("coupled", {**_LIN, "sigma": "independent", "t_end": 0.7}),   # guidance only for t < 0.7
@@ -110,7 +117,7 @@ class Args:
 def build(config: str, tb: Testbed, scale: float, mc_data: int = 4096) -> guidance.Guidance:
     method, options = CONFIGS[config]
     options = dict(options)
-    if method in ("coupled", "pnp_renoise"):
+    if method in ("coupled", "pnp_renoise", "guided_particles"):
         options.setdefault("s2", tb.s2)
     if method == "mc":
         options["data"] = tb.data[:mc_data]
@@ -445,6 +452,7 @@ def main(args: Args) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     kinds = ["mlp", "oracle"] if args.model == "both" else [args.model]
     updates: dict[tuple[str, ...], Any] = {}
+    plots: list[tuple[Path, str, str, dict]] = []
     for kind in kinds:
         section = SECTIONS[kind]
         for name in args.testbeds:
@@ -454,13 +462,15 @@ def main(args: Args) -> None:
                 continue
             log(f"[{section}] {name}: {tb.info.get('cost', '')}")
             curves, ref = run_testbed(tb, load_model(tb, kind, log), args, log)
-            updates[(section, name)] = curves
+            # per config: a run with some --configs adds them to (or replaces them in) the file
+            for n, c in curves.items():
+                updates[(section, name, n)] = c
+                updates[("exact_summary", section, name, n)] = {
+                    "swd": summarize(c, "swd"), "mmd": summarize(c, "mmd"), "swd_matched": matched_summary(c)}
             updates[("exact_reference", section, name)] = ref
-            updates[("exact_summary", section, name)] = {
-                n: {"swd": summarize(c, "swd"), "mmd": summarize(c, "mmd"), "swd_matched": matched_summary(c)}
-                for n, c in curves.items()}
             if args.plots:
-                plot(args.out_dir / f"guidance_{name}{'' if kind == 'mlp' else '_' + kind}.png", name, curves, ref)
+                plots.append((args.out_dir / f"guidance_{name}{'' if kind == 'mlp' else '_' + kind}.png", name,
+                              section, ref))
     meta = {"scales": list(args.scales), "n_samples": args.n_samples, "n_mmd": args.n_mmd,
             "n_steps": args.n_steps, "seed": args.seed, "threads": args.threads, "mc_data": args.mc_data,
             "testbeds": list(args.testbeds),
@@ -470,10 +480,12 @@ def main(args: Args) -> None:
         otb = make_testbed("gmm8d_linear", seed=args.seed)
         ocfg = tuple(c for c in args.configs if applicable(c, otb))
         log("[overhead] gmm8d_linear")
-        updates[("overhead",)] = measure_overhead(otb, train_velocity(otb, log=log), args, ocfg, args.n_samples)
+        for c, row in measure_overhead(otb, train_velocity(otb, log=log), args, ocfg, args.n_samples).items():
+            updates[("overhead", c)] = row  # ratios against this run's unguided time
         torch.manual_seed(args.seed)
         big = MLPVelocity(otb.dim, hidden=1024, depth=6).eval().requires_grad_(False)
-        updates[("overhead_large_net",)] = measure_overhead(otb, big, args, ocfg, args.big_batch)
+        for c, row in measure_overhead(otb, big, args, ocfg, args.big_batch).items():
+            updates[("overhead_large_net", c)] = row
         updates[("overhead_meta",)] = {
             "testbed": "gmm8d_linear", "scale": 2.0, "repeats": args.overhead_repeats,
             "net": f"testbed MLP 128x3, batch {args.n_samples}, 8-D",
@@ -481,10 +493,17 @@ def main(args: Args) -> None:
                          f"batch {args.big_batch}"}
     meta["wall_s"] = time.perf_counter() - start
     for kind in kinds:
-        updates[("exact_meta", SECTIONS[kind])] = meta
+        for k, v in meta.items():  # the configs merge like the curves
+            if k == "configs":
+                for c, spec in v.items():
+                    updates[("exact_meta", SECTIONS[kind], "configs", c)] = spec
+            else:
+                updates[("exact_meta", SECTIONS[kind], k)] = v
     data = write_json(args.out_dir / "guidance.json", updates)
     data = write_json(args.out_dir / "guidance.json", {("default_check",): default_check(data.get("exact_summary", {}))})
     write_markdown(args.out_dir / "guidance.md", data)
+    for path, name, section, ref in plots:  # every config the file holds, not only this run's
+        plot(path, name, data[section][name], ref)
     log(f"done in {meta['wall_s']:.0f}s -> {args.out_dir / 'guidance.json'}")
 
 

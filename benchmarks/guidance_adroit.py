@@ -19,6 +19,7 @@ method can keep out by freezing, so the lowest-violation rule would pick useless
     OMP_NUM_THREADS=1 nice -n 5 .venv/bin/python benchmarks/guidance_adroit.py --kind keepout --episodes 50  # ~25 min
         # ~4 min with cached policies, ~15 min with training (1 core, shared machine)
     .venv/bin/python benchmarks/guidance_adroit.py --tasks door --episodes 5 --no-write
+    .venv/bin/python benchmarks/guidance_adroit.py --kind keepout --episodes 50 --methods particles4   # adds rows
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ KEEPOUT_CONFIGS: dict[str, tuple[str, dict, tuple[float, ...]]] = {
     "velocity_gradient": ("velocity_gradient", {}, _KO_SCALES),
     "state_gradient": ("state_gradient", {}, _KO_SCALES),
     "pnp_renoise": ("pnp_renoise", {}, _KO_SCALES),
+    # P candidate chunks per chunk (P x the network): unguided, one kept by exp(-w c); and
+    # coupled-guided stochastic ones, kept by importance weights (guidance.GuidedParticles)
+    "particles4": ("particles", {"n_particles": 4}, _KO_SCALES),
+    "guided_particles4": ("guided_particles", {"n_particles": 4, "renoise": 0.5}, _KO_SCALES),
 }
 # guided, then clamped: the safety net a deployment keeps; evaluated at the base method's chosen scale
 CLIPPED = {"coupled+clip": "coupled", "coupled_prox+clip": "coupled_prox"}
@@ -108,7 +113,8 @@ def choose(runs: list[dict], kind: str = "joint_limits") -> dict:
     return min(runs, key=lambda r: (r["violation_rate"], -r["success_rate"], r["scale"]))
 
 
-def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits") -> tuple[dict, dict, dict]:
+def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
+             methods: tuple[str, ...] = ()) -> tuple[dict, dict, dict]:
     pol, info = policy_for(task, log)
     env_id = f"adroit/{task}"
     pool = [envs.make(env_id) for _ in range(episodes)]
@@ -128,9 +134,13 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits") ->
 
     configs = KEEPOUT_CONFIGS if kind == "keepout" else CONFIGS
     for name, (method, options, scales) in configs.items():
+        if methods and name not in methods:
+            continue
         sweep[name] = [one(name, method, options, s) for s in scales]
         best[name] = choose(sweep[name], kind)
     for name, base in CLIPPED.items():
+        if methods and (name not in methods or base not in best):
+            continue
         method, options, _ = configs[base]
         r = one(name, f"{method}+clip", options, best[base]["scale"])
         sweep[name] = [r]
@@ -216,6 +226,19 @@ def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str,
     return "\n".join(out)
 
 
+def merged(best: dict, sweep: dict, kind: str, episodes: int) -> tuple[dict, dict]:
+    """This run's rows over those already in guidance.json for the same tasks and episodes (a
+    ``--methods`` run adds or replaces its methods' rows)."""
+    sec = "adroit" if kind == "joint_limits" else "adroit_keepout"
+    path = RESULTS / "guidance.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    if old.get(f"{sec}_meta", {}).get("episodes") != episodes:
+        return best, sweep
+    out_b = {t: {**old.get(sec, {}).get(t, {}), **ms} for t, ms in best.items()}
+    out_s = {t: {**old.get(f"{sec}_sweep", {}).get(t, {}), **ms} for t, ms in sweep.items()}
+    return out_b, out_s
+
+
 def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: str = "joint_limits") -> None:
     """Merge the "adroit" (or "adroit_keepout") sections into guidance.json (other sections kept), atomically."""
     sec = "adroit" if kind == "joint_limits" else "adroit_keepout"
@@ -239,6 +262,9 @@ def main() -> None:
                     help="default: every task of --kind (keepout: door, relocate)")
     ap.add_argument("--episodes", type=int, default=20)
     ap.add_argument("--no-write", action="store_true", help="print only; keep the result files")
+    ap.add_argument("--methods", nargs="*", default=(),
+                    help="only these configs (default: all); their rows are added to (or replace) those in "
+                         "guidance.json when the episode count matches")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -249,8 +275,13 @@ def main() -> None:
     bad = [t for t in tasks if t not in KIND_TASKS[a.kind]]
     if bad:
         ap.error(f"no {a.kind} constraint for {bad}; valid: {KIND_TASKS[a.kind]}")
+    known = set(KEEPOUT_CONFIGS if a.kind == "keepout" else CONFIGS) | set(CLIPPED)
+    if set(a.methods) - known:
+        ap.error(f"unknown --methods {sorted(set(a.methods) - known)}; valid: {sorted(known)}")
     for task in tasks:
-        best[task], sweep[task], meta[task] = run_task(task, a.episodes, kind=a.kind)
+        best[task], sweep[task], meta[task] = run_task(task, a.episodes, kind=a.kind, methods=tuple(a.methods))
+    if a.methods:
+        best, sweep = merged(best, sweep, a.kind, a.episodes)
     tab = keepout_table if a.kind == "keepout" else table
     text = tab(best, meta, sweep, a.episodes) + f"\nTotal wall time {time.time() - t0:.0f} s.\n"
     print(text)

@@ -8,7 +8,9 @@
     chunk, stats = guidance.sample(velocity, x0, n_steps=10, guide=guide, return_stats=True)
 
 Methods (``guidance.METHODS``): none, coupled, velocity_gradient, state_gradient, pnp_renoise,
-mc, cfg, particles (P unguided candidates per sample, one kept by exp(-w c): P x the network);
+mc, cfg, particles (P unguided candidates per sample, one kept by exp(-w c): P x the network),
+guided_particles (P coupled-guided stochastic candidates, one kept by importance weights that undo
+the guidance: P x the network);
 ``guidance.make`` names the valid options of each. ``velocity(x_t, t)`` (or
 ``velocity(x_t, t, cond)`` when ``cond`` is given; ``drop_cond=True`` for cfg's unconditional
 branch) returns a tensor shaped like ``x_t``. ``stats`` counts network evaluations, backward
@@ -23,11 +25,11 @@ from guidance.base import SCHEDULES, Guidance
 from guidance.baselines import (ClassifierFreeGuidance, ImportanceParticles, MonteCarloGuidance, NoGuidance,
                                 StateGradientGuidance, VelocityGradientGuidance)
 from guidance.costs import Cost, Projection, make_cost
-from guidance.coupled import CoupledGuidance, PnPRenoiseGuidance
+from guidance.coupled import CoupledGuidance, GuidedParticles, PnPRenoiseGuidance
 from guidance.methods import METHODS, make
 from guidance.sampler import sample
 
 __all__ = ["sample", "make", "METHODS", "SCHEDULES", "Guidance", "SampleStats", "CoupledGuidance",
            "PnPRenoiseGuidance", "NoGuidance", "VelocityGradientGuidance", "StateGradientGuidance",
-           "MonteCarloGuidance", "ClassifierFreeGuidance", "ImportanceParticles", "Cost", "Projection", "make_cost", "costs",
+           "MonteCarloGuidance", "ClassifierFreeGuidance", "ImportanceParticles", "GuidedParticles", "Cost", "Projection", "make_cost", "costs",
            "geometry", "operators"]

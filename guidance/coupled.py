@@ -378,4 +378,96 @@ class PnPRenoiseGuidance(CoupledGuidance):
         return (1.0 - t_next) * eps + t_next * x1_tilde
 
 
-__all__ = ["CoupledGuidance", "PnPRenoiseGuidance", "SIGMAS", "STEPS"]
+class GuidedParticles(CoupledGuidance):
+    """Coupled-guided candidates with importance weights that undo the guidance.
+
+    Each of ``n_particles`` candidates follows the stochastic sampler whose steps are the Markov
+    posterior of the path (DDIM eta = 1: ``x_t' ~ N(m(x1), ((1-t') r)^2)`` with the mean ``m``
+    built from the data endpoint, see :meth:`CoupledGuidance.move`), with the coupled endpoint
+    ``x1_tilde`` in place of the network's ``x1_hat`` as the proposal. Both transitions are
+    Gaussians of one variance, so the density ratio of the unguided path to the guided one is
+    known in closed form; a candidate's log weight is ``-w c(x_1) + sum log p/q`` and one is kept
+    with probability softmax(log weights) (self-normalized importance sampling of ``p exp(-w c)``
+    where ``p`` is the eta = 1 sampler's distribution). The guidance carries candidates toward
+    the low-cost region (where unguided particles rarely land); the weights reweight the modes
+    (what one guided pass cannot). The first and last steps are deterministic (no density ratio
+    exists there), so they stay unguided. Costs ``n_particles`` passes of the network, no
+    backward pass with the default diagonal Sigma_t."""
+
+    name = "guided_particles"
+
+    def __init__(self, cost: Cost | Callable | str | None = None, scale: float = 1.0, *,
+                 n_particles: int = 4, proposal: float = 1.0, **options: Any) -> None:
+        if not 0.0 <= proposal <= 1.0 or isinstance(proposal, bool):
+            raise InvalidOptionError(f"proposal (the share of the scale the guided proposal uses) must be in "
+                                     f"[0, 1]; got {proposal!r}")
+        self.proposal = float(proposal)
+        if not options.get("renoise", 1.0) > 0 or options.get("noise_endpoint", "rederived") != "rederived":
+            raise InvalidOptionError("guided_particles needs stochastic DDIM-eta steps (renoise > 0, "
+                                     "noise_endpoint='rederived'): only there is the path density known")
+        options.setdefault("renoise", 1.0)
+        if options.get("sigma") == "jacobian":
+            raise InvalidOptionError("guided_particles uses a diagonal Sigma_t (sigma='independent', "
+                                     "'identity' or a float)")
+        if isinstance(n_particles, bool) or not isinstance(n_particles, int) or n_particles < 1:
+            raise InvalidOptionError(f"n_particles must be an integer >= 1; got {n_particles!r}")
+        super().__init__(cost, scale, **options)
+        self.n_candidates = n_particles
+        self._logw: list[Tensor] = []
+        self._path: Tensor | None = None
+        self._cand_gen: torch.Generator | None = None
+
+    def begin(self, x0: Tensor, velocity: VelocityCaller) -> None:
+        super().begin(x0, velocity)
+        self._logw = []
+        self._path = torch.zeros(x0.shape[0], dtype=torch.float64, device=x0.device)
+
+    def candidate_noise(self, x0: Tensor, k: int) -> Tensor:
+        if k == 1:
+            self._cand_gen = torch.Generator().manual_seed(0x5EED5 + 7_919 * self.seed + 1)
+        self._path = torch.zeros(x0.shape[0], dtype=torch.float64, device=x0.device)
+        return torch.randn(x0.shape, generator=self._cand_gen, dtype=x0.dtype).to(x0.device)
+
+    def step(self, velocity: VelocityCaller, x: Tensor, t: float, dt: float) -> Tensor:
+        t2 = t + dt
+        x1_hat = x + (1.0 - t) * velocity(x, t)
+        if t == 0.0 or t2 >= 1.0 - 1e-9:  # deterministic: no density ratio, so no guidance
+            return x + dt * (x1_hat - x) / (1.0 - t)
+        w = self.weight(t) * self.proposal
+        x1_tilde = x1_hat
+        if w > 0.0 and self.cost is not None:
+            sig = self.sigma_t(t, x)
+            x1_tilde = self.endpoint(x1_hat, t, w, lambda g: sig * g)
+        s_sq = max((1.0 - t) ** 2 - (t / t2) ** 2 * (1.0 - t2) ** 2, 0.0)
+        r = min(1.0, self.renoise * self.renoise_schedule(t) * s_sq ** 0.5 / (1.0 - t))
+        keep, std = (1.0 - r * r) ** 0.5, (1.0 - t2) * r
+
+        def mean(z: Tensor) -> Tensor:
+            return (1.0 - t2) * keep * (x - t * z) / (1.0 - t) + t2 * z
+        xi = torch.randn(x.shape, generator=self._gen, device=x.device, dtype=x.dtype)
+        m_q = mean(x1_tilde)
+        nxt = m_q + std * xi
+        if std > 0:  # log p(x'|x) - log q(x'|x), both N(., std^2)
+            d = (mean(x1_hat) - m_q) / std          # (m_p - m_q) / std
+            self._path += (-(xi - d) ** 2 + xi ** 2).flatten(1).sum(1).double() / 2
+        return nxt
+
+    def finish(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            c = self.cost(x).double() if self.cost is not None and self.scale > 0 else torch.zeros_like(self._path)
+        self._stats.n_cost_evals += 1
+        lw = -self.scale * torch.where(torch.isnan(c), torch.full_like(c, float("inf")), c) + self._path
+        self._logw.append(torch.nan_to_num(lw, nan=-float("inf")))
+        return x
+
+    def select(self, candidates: Tensor) -> Tensor:
+        k, b = candidates.shape[:2]
+        logw = torch.stack(self._logw)                          # (K, B)
+        dead = torch.isinf(logw).all(0) & (logw < 0).all(0)
+        logw[0, dead] = 0.0
+        gen = self._cand_gen or torch.Generator().manual_seed(0x5EED5 + 7_919 * self.seed)
+        pick = torch.multinomial(torch.softmax(logw, 0).T.float().cpu(), 1, generator=gen).squeeze(1)
+        return candidates[pick.to(candidates.device), torch.arange(b, device=candidates.device)]
+
+
+__all__ = ["CoupledGuidance", "GuidedParticles", "PnPRenoiseGuidance", "SIGMAS", "STEPS"]

@@ -8,7 +8,7 @@ from envs.errors import InvalidOptionError
 from guidance.base import Guidance
 from guidance.baselines import (ClassifierFreeGuidance, ImportanceParticles, MonteCarloGuidance, NoGuidance,
                                 StateGradientGuidance, VelocityGradientGuidance)
-from guidance.coupled import CoupledGuidance, PnPRenoiseGuidance
+from guidance.coupled import CoupledGuidance, GuidedParticles, PnPRenoiseGuidance
 
 METHODS: dict[str, type[Guidance]] = {
     "none": NoGuidance,
@@ -19,6 +19,7 @@ METHODS: dict[str, type[Guidance]] = {
     "mc": MonteCarloGuidance,
     "cfg": ClassifierFreeGuidance,
     "particles": ImportanceParticles,
+    "guided_particles": GuidedParticles,
 }
 
 

@@ -63,7 +63,7 @@ TOL = 0.02
 """action-unit tolerance of the violation test (1% of an actuator's [-1, 1] range)"""
 QPOS_TOL = 0.05
 """joint-position tolerance, in action units (of the joint position mapped through its servo)"""
-GUIDED_METHODS = ("coupled", "velocity_gradient", "state_gradient", "pnp_renoise")
+GUIDED_METHODS = ("coupled", "velocity_gradient", "state_gradient", "pnp_renoise", "particles", "guided_particles")
 BASE_METHODS = ("none", "clip")
 METHODS = BASE_METHODS + GUIDED_METHODS + tuple(f"{m}+clip" for m in GUIDED_METHODS)
 SHRINK = 0.35
