@@ -392,7 +392,9 @@ class GuidedParticles(CoupledGuidance):
     the low-cost region (where unguided particles rarely land); the weights reweight the modes
     (what one guided pass cannot). The first and last steps are deterministic (no density ratio
     exists there), so they stay unguided. Costs ``n_particles`` passes of the network, no
-    backward pass with the default diagonal Sigma_t."""
+    backward pass with the default diagonal Sigma_t. The first candidate starts from the caller's
+    noise; the others, and the fresh noise of every step, come from streams seeded by ``seed``
+    (the same on every call, as for ``renoise``)."""
 
     name = "guided_particles"
 
@@ -453,16 +455,18 @@ class GuidedParticles(CoupledGuidance):
         return nxt
 
     def finish(self, x: Tensor) -> Tensor:
-        with torch.no_grad():
-            c = self.cost(x).double() if self.cost is not None and self.scale > 0 else torch.zeros_like(self._path)
-        self._stats.n_cost_evals += 1
+        c = torch.zeros_like(self._path)
+        if self.cost is not None and self.scale > 0:
+            with torch.no_grad():
+                c = self.cost(x).double()
+            self._stats.n_cost_evals += 1
         lw = -self.scale * torch.where(torch.isnan(c), torch.full_like(c, float("inf")), c) + self._path
         self._logw.append(torch.nan_to_num(lw, nan=-float("inf")))
         return x
 
     def select(self, candidates: Tensor) -> Tensor:
         k, b = candidates.shape[:2]
-        logw = torch.stack(self._logw)                          # (K, B)
+        logw = torch.stack(self._logw).nan_to_num(nan=-float("inf"), posinf=1e300)  # (K, B)
         dead = torch.isinf(logw).all(0) & (logw < 0).all(0)
         logw[0, dead] = 0.0
         gen = self._cand_gen or torch.Generator().manual_seed(0x5EED5 + 7_919 * self.seed)
