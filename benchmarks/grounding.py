@@ -104,8 +104,8 @@ class Args:
     """``..._consistent`` CIG methods: CIGOptions.demonstrated_radius (no negative the data demonstrates
     at the sample: tasks that share a prefix are not contrasted on it)"""
     relative_state: tuple[str, ...] = ()
-    """TrainArgs.relative_state for every run trained from scratch, e.g. '*_cube_pose:tcp_pose'
-    '*_goal_pos:tcp_pose' (object positions relative to the gripper; give these runs their own --runs)"""
+    """TrainArgs.relative_state for every run trained from scratch, e.g. '*_cube_pose:extra/tcp_pose'
+    '*_goal_pos:extra/tcp_pose' (tabletop positions relative to the gripper; give these runs their own --runs)"""
     label: str = ""
     """suffix of the method names in the results (e.g. '_relative' for runs with --relative-state), so
     they merge beside the plain runs instead of over them"""

@@ -90,7 +90,7 @@ class TrainArgs:
     relative_state: tuple[str, ...] = ()
     """'SLICES:REF' specs, by name in the env's state layout (SLICES a shell pattern): the policy also
     reads the position (first 3 entries) of every matching slice minus that of REF, e.g.
-    '*_cube_pose:tcp_pose' '*_goal_pos:tcp_pose' (see PolicyConfig.state_relative)"""
+    '*_cube_pose:extra/tcp_pose' '*_goal_pos:extra/tcp_pose' (see PolicyConfig.state_relative)"""
     lang_norm: bool = _MODEL.lang_norm
     """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
     steps: int = 2000
@@ -200,11 +200,12 @@ def _state_relative(specs: tuple[str, ...], data: ChunkData) -> list[tuple[int, 
     for spec in specs:
         pattern, sep, ref = spec.partition(":")
         if not (sep and pattern and ref):
-            raise InvalidOptionError(f"--relative-state {spec!r}: expected 'SLICES:REF', e.g. '*_cube_pose:tcp_pose'")
+            raise InvalidOptionError(f"--relative-state {spec!r}: expected 'SLICES:REF', e.g. "
+                                     "'*_cube_pose:extra/tcp_pose'")
+        state_indices(layout, (pattern,), env_id)  # refuses unnamed layouts and patterns that match nothing
         if ref not in slices:
             raise InvalidOptionError(f"--relative-state {spec!r}: {env_id or 'the'} state has no slice {ref!r}; "
                                      f"its slices: {list(slices)}")
-        state_indices(layout, (pattern,), env_id)  # names the slices when the pattern matches none
         for name, (st, size) in slices.items():
             if name == ref or not fnmatch.fnmatchcase(name, pattern):
                 continue
