@@ -381,14 +381,15 @@ class PnPRenoiseGuidance(CoupledGuidance):
 class GuidedParticles(CoupledGuidance):
     """Coupled-guided candidates with importance weights that undo the guidance.
 
-    Each of ``n_particles`` candidates follows the stochastic sampler whose steps are the Markov
-    posterior of the path (DDIM eta = 1: ``x_t' ~ N(m(x1), ((1-t') r)^2)`` with the mean ``m``
-    built from the data endpoint, see :meth:`CoupledGuidance.move`), with the coupled endpoint
+    Each of ``n_particles`` candidates follows the stochastic DDIM-eta sampler (eta = ``renoise``,
+    default 1: the Markov posterior of the path; ``x_t' ~ N(m(x1), ((1-t') r)^2)`` with the mean
+    ``m`` built from the data endpoint, see :meth:`CoupledGuidance.move`), with the coupled endpoint
     ``x1_tilde`` in place of the network's ``x1_hat`` as the proposal. Both transitions are
     Gaussians of one variance, so the density ratio of the unguided path to the guided one is
     known in closed form; a candidate's log weight is ``-w c(x_1) + sum log p/q`` and one is kept
     with probability softmax(log weights) (self-normalized importance sampling of ``p exp(-w c)``
-    where ``p`` is the eta = 1 sampler's distribution). The guidance carries candidates toward
+    where ``p`` is that stochastic sampler's distribution, a little narrower than the deterministic
+    one at few steps). The guidance carries candidates toward
     the low-cost region (where unguided particles rarely land); the weights reweight the modes
     (what one guided pass cannot). The first and last steps are deterministic (no density ratio
     exists there), so they stay unguided. Costs ``n_particles`` passes of the network, no
@@ -408,6 +409,9 @@ class GuidedParticles(CoupledGuidance):
             raise InvalidOptionError("guided_particles needs stochastic DDIM-eta steps (renoise > 0, "
                                      "noise_endpoint='rederived'): only there is the path density known")
         options.setdefault("renoise", 1.0)
+        if options.get("project") is not None:
+            raise InvalidOptionError("guided_particles does not take a projection (a projected endpoint has "
+                                     "no path density); use coupled with project=...")
         if options.get("sigma") == "jacobian":
             raise InvalidOptionError("guided_particles uses a diagonal Sigma_t (sigma='independent', "
                                      "'identity' or a float)")

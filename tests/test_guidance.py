@@ -378,7 +378,7 @@ def test_guided_particles_weights_undo_the_guidance():
         assert torch.allclose(x.var(0), base.var(0), atol=0.03), eta
         assert st.nfe == 64 * 10 and st.n_backward == 0
     for bad in ({"renoise": 0.0}, {"sigma": "jacobian"}, {"n_particles": 0}, {"noise_endpoint": "fixed"},
-                {"proposal": 2.0}):
+                {"proposal": 2.0}, {"project": (torch.tensor([True, False]), torch.zeros(2))}):
         with pytest.raises(ValueError):
             guidance.make("guided_particles", cost=costs.LinearCost(a), **bad)
 
