@@ -333,14 +333,18 @@ class CoupledGuidance(Guidance):
             # re-derived noise endpoint, partly refreshed: sqrt(1 - r^2) eps_hat + r xi (r = renoise)
             eps_hat = (x - t * x1_tilde) / (1.0 - t)
             xi = torch.randn(x.shape, generator=self._gen, device=x.device, dtype=x.dtype)
-            t2 = t + dt
-            # DDIM-eta: the share of fresh noise that keeps the forward marginals (eta = 1: the
-            # Markov posterior q(x_t' | x_t, x1)); it shrinks with dt, so more steps stay consistent
-            s_sq = max((1.0 - t) ** 2 - (t / t2) ** 2 * (1.0 - t2) ** 2, 0.0)
-            r = min(1.0, self.renoise * self.renoise_schedule(t) * s_sq ** 0.5 / (1.0 - t))
+            r = self._renoise_share(t, dt)
             eps = (1.0 - r * r) ** 0.5 * eps_hat + r * xi
             return (1.0 - t - dt) * eps + (t + dt) * x1_tilde
         return x + dt * (x1_tilde - x) / (1.0 - t)
+
+    def _renoise_share(self, t: float, dt: float) -> float:
+        """DDIM-eta: the share ``r`` of fresh noise in the next noise endpoint that keeps the forward
+        marginals (eta = 1: the Markov posterior q(x_t' | x_t, x1)); it shrinks with dt, so more
+        steps stay consistent."""
+        t2 = t + dt
+        s_sq = max((1.0 - t) ** 2 - (t / t2) ** 2 * (1.0 - t2) ** 2, 0.0)
+        return min(1.0, self.renoise * self.renoise_schedule(t) * s_sq ** 0.5 / (1.0 - t))
 
     def finish(self, x: Tensor) -> Tensor:
         # The last step lands on x1_tilde up to float rounding; make the hard constraint exact.
@@ -444,8 +448,7 @@ class GuidedParticles(CoupledGuidance):
         if w > 0.0 and self.cost is not None:
             sig = self.sigma_t(t, x)
             x1_tilde = self.endpoint(x1_hat, t, w, lambda g: sig * g)
-        s_sq = max((1.0 - t) ** 2 - (t / t2) ** 2 * (1.0 - t2) ** 2, 0.0)
-        r = min(1.0, self.renoise * self.renoise_schedule(t) * s_sq ** 0.5 / (1.0 - t))
+        r = self._renoise_share(t, dt)
         keep, std = (1.0 - r * r) ** 0.5, (1.0 - t2) * r
 
         def mean(z: Tensor) -> Tensor:
