@@ -356,6 +356,7 @@ def rankings(summary: dict) -> list[str]:
     out = []
     for section, per_tb in summary.items():
         ranks: dict[str, list[float]] = {}
+        ratios: dict[str, list[float]] = {}
         for tbname, rows in per_tb.items():
             def key(n, kind):
                 v = rows[n]["swd"][kind]
@@ -378,7 +379,15 @@ def rankings(summary: dict) -> list[str]:
                              else rows[n]["swd_matched"]["median"])
             for i, n in enumerate(ordered):
                 ranks.setdefault(f"matched:{n}", []).append(i + 1)
+            for n in competitors:  # a rank hides how far behind: the ratio to the best says it
+                ratios.setdefault(n, []).append(key(n, "best") / key(best, "best"))
         n_tb = len(per_tb)
+        full = {n: r for n, r in ratios.items() if len(r) == n_tb}
+        top = sorted(full, key=lambda n: sum(full[n]))[:8]
+        top += [n for n in ("coupled",) if n in full and n not in top]  # the default, wherever it lands
+        out.append(f"- {section}: mean ratio of best SWD to the best method of the testbed, mc excluded, over "
+                   f"the {n_tb} testbeds (within 10% of the best on how many): "
+                   + ", ".join(f"`{n}` {sum(full[n]) / n_tb:.2f}x ({sum(r <= 1.1 for r in full[n])})" for n in top))
         for kind, label, n_per in (("best", "accuracy (best SWD)", 1), ("worst", "stability (worst SWD)", 1),
                                    ("both", "accuracy and stability (mean of the two ranks)", 2),
                                    ("matched", "faithfulness (median SWD to p exp(-w c))", 1)):

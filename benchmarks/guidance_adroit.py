@@ -278,6 +278,10 @@ def main() -> None:
     known = set(KEEPOUT_CONFIGS if a.kind == "keepout" else CONFIGS) | set(CLIPPED)
     if set(a.methods) - known:
         ap.error(f"unknown --methods {sorted(set(a.methods) - known)}; valid: {sorted(known)}")
+    orphans = [m for m in a.methods if m in CLIPPED and CLIPPED[m] not in a.methods]
+    if orphans:  # a clipped row runs at its base method's chosen scale, so the base must run too
+        ap.error(f"--methods {orphans} need their base method in the same run: add "
+                 f"{sorted({CLIPPED[m] for m in orphans})}")
     for task in tasks:
         best[task], sweep[task], meta[task] = run_task(task, a.episodes, kind=a.kind, methods=tuple(a.methods))
     if a.methods:
