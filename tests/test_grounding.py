@@ -222,6 +222,52 @@ def test_relabel_tabletop(demos, tmp_path, tabletop):
         assert len(ds) == 6 and np.mean([ds.episode(i).succeeded for i in range(6)]) >= 5 / 6
 
 
+@pytest.fixture(scope="module")
+def counterfactuals(demos, tmp_path_factory):
+    """Continuations only, and the same continuations (same seed) after the original demos."""
+    d = tmp_path_factory.mktemp("cf")
+    for name, orig in (("cf.h5", False), ("both.h5", True)):
+        relabel(RelabelArgs(data=demos, out=d / name, k=2, frames_per_episode=3, horizon=4, seed=1,
+                            include_original=orig, progress=False))
+    return d / "cf.h5", d / "both.h5"
+
+
+def test_counterfactual_actions_read_the_relabeled_states(counterfactuals):
+    from train.diagnose import counterfactual_actions, load_counterfactual
+    cf, both = counterfactuals
+    c = load_counterfactual(cf)
+    assert len(c["episodes"]) == 6 * 3 * 2 and ((0 <= c["progress"]) & (c["progress"] < 1)).all()
+    assert all(old != e.instruction for old, e in zip(c["old"], c["episodes"]))
+    p = make_policy(PolicyConfig(kind="flow", state_dim=c["episodes"][0].state.shape[1], action_dim=4, horizon=4,
+                                 n_exec=2))
+    with Dataset(both) as ds:
+        eps = [ds.episode(i, images=False) for i in range(len(ds))]
+    p.fit_normalizer(np.concatenate([e.state for e in eps]), np.concatenate([e.action for e in eps]))
+    for l in {e.instruction for e in eps}:  # fixed features: no language model needed here
+        p.lang.cache[l] = torch.randn(1, 384, generator=torch.Generator().manual_seed(len(l)))
+    r = counterfactual_actions(p, c, bins=3)
+    assert sum(r["per_bin_samples"]) == r["samples"] == 36 and np.isfinite(r["error_new"])
+    with pytest.raises(DatasetError, match="no-include-original"):
+        load_counterfactual(both)
+
+
+@pytest.mark.slow
+def test_counterfactual_action_error_rewards_the_policy_that_saw_those_actions(demos, counterfactuals, tmp_path):
+    """The P4 diagnostic: at demo states of l*, the chunk under l' is compared with the expert's for
+    l'. A policy trained on those continuations must land closer to them than one trained on the
+    demos alone (measured 1.31 against 1.68 normalized units)."""
+    from train.bc import TrainArgs, train
+    from train.diagnose import counterfactual_actions, load_counterfactual
+    import policies
+    cf, both = counterfactuals
+    err = {}
+    for name, data in (("saw", both), ("demos", demos)):
+        run = train(TrainArgs(data=(data,), policy="flow", steps=300, horizon=4, n_exec=2, out=tmp_path / name,
+                              wandb="disabled", progress=False, seed=0, save_every=10_000))
+        err[name] = counterfactual_actions(policies.load(run["ckpt"]), load_counterfactual(cf), bins=3)
+    assert err["saw"]["error_new"] < 0.9 * err["demos"]["error_new"], err
+
+
 def test_relabel_refuses_bad_input(tmp_path, demos):
     bare = tmp_path / "bare.h5"
     with DatasetWriter(bare, TABLETOP, 3, 4) as w:

@@ -4,7 +4,11 @@
   per episode-progress bin: late steps are where the instruction is weakly constrained);
 - action sensitivity: E || pi(o, l*) - pi(o, l') || with the sampling noise shared;
 - collapse curve: cosine similarity of the conditioning features under l* and l', per network
-  layer and per episode-progress bin (1 = the instruction no longer changes anything).
+  layer and per episode-progress bin (1 = the instruction no longer changes anything);
+- counterfactual action error (``--counterfactual``, a ``groundflow relabel`` file of held-out demos):
+  at a state of l*'s demo, how far the policy's chunk under l' is from the expert's for l', against
+  its chunk under l* (what carrying on costs). Sensitivity says the action changes; this says
+  whether it changes to the right one, which is what a mid-episode switch (P4) needs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import tyro
 
 import policies
+from dataset import Dataset, DatasetError
 from train.cig import identification_accuracy
 from train.data import ChunkData
 
@@ -69,6 +74,61 @@ def diagnose(policy: Any, data: ChunkData, n: int = 256, bins: int = 5, seed: in
             "samples": int(len(idx)), "instructions": data.instructions, "uncached_instructions": unknown}
 
 
+def load_counterfactual(path: Path) -> dict[str, Any]:
+    """The relabeled continuations of ``path`` with their source state's progress and old instruction."""
+    with Dataset(path) as ds:
+        rel = ds.meta.get("relabel")
+        if not rel or rel.get("include_original", True):
+            raise DatasetError(f"{path}: --counterfactual needs `groundflow relabel --no-include-original` output "
+                               "(continuations only, from held-out demos)")
+        eps = [ds.episode(i, images=False) for i in range(len(ds))]
+    src = Path(rel["from"])
+    if not src.exists():
+        raise DatasetError(f"{path} was relabeled from {src}, which is missing (its lengths give the progress)")
+    with Dataset(src) as ds:
+        lengths = {i: len(ds.episode(i, images=False)) for i in sorted({int(e) for e, _, _ in rel["index"]})}
+        old = {i: ds.episode(i, images=False).instruction for i in lengths}
+    if len(eps) != len(rel["index"]):
+        raise DatasetError(f"{path}: {len(eps)} continuations but {len(rel['index'])} index entries")
+    return {"episodes": eps, "progress": np.array([t / lengths[int(e)] for e, t, _ in rel["index"]]),
+            "old": [old[int(e)] for e, _, _ in rel["index"]]}
+
+
+@torch.no_grad()
+def counterfactual_actions(policy: Any, cf: dict[str, Any], bins: int = 5, seed: int = 0,
+                           steps: int = 4) -> dict[str, Any]:
+    """Mean per-step L2 (normalized action units) over the first ``steps`` steps between the policy's
+    chunk and the expert's continuation under l', for the policy told l' (``new``) and told l*
+    (``old``), per progress bin of the source state; ``closer`` is how often new beats old."""
+    eps = [e for e in cf["episodes"] if len(e) > 0]
+    keep = [i for i, e in enumerate(cf["episodes"]) if len(e) > 0]
+    k = min(steps, policy.config.horizon)
+    state = torch.as_tensor(np.stack([e.state[0] for e in eps]), dtype=torch.float32)
+    kw = {}
+    if policy.config.kind == "flow":
+        g = torch.Generator().manual_seed(seed)
+        kw["noise"] = torch.randn(len(eps), policy.config.horizon, policy.config.action_dim, generator=g)
+    policy.eval()
+    a_new = policy.sample_chunks({"state": state, "instruction": [e.instruction for e in eps]}, **kw)[:, :k]
+    a_old = policy.sample_chunks({"state": state, "instruction": [cf["old"][i] for i in keep]}, **kw)[:, :k]
+    err_new, err_old = np.zeros(len(eps)), np.zeros(len(eps))
+    for j, e in enumerate(eps):
+        n = min(k, len(e))
+        want = policy.normalizer.action(torch.as_tensor(e.action[:n], dtype=torch.float32))
+        err_new[j] = float((a_new[j, :n] - want).norm(dim=-1).mean())
+        err_old[j] = float((a_old[j, :n] - want).norm(dim=-1).mean())
+    edges = np.linspace(0, 1, bins + 1)
+    which = np.clip(np.digitize(cf["progress"][keep], edges[1:-1]), 0, bins - 1)
+
+    def per_bin(v: np.ndarray) -> list[float | None]:
+        return [float(v[which == b].mean()) if np.any(which == b) else None for b in range(bins)]
+    closer = (err_new < err_old).astype(float)
+    return {"error_new": float(err_new.mean()), "error_old": float(err_old.mean()), "closer": float(closer.mean()),
+            "error_new_by_progress": per_bin(err_new), "error_old_by_progress": per_bin(err_old),
+            "closer_by_progress": per_bin(closer), "samples": len(eps), "steps": k,
+            "per_bin_samples": [int((which == b).sum()) for b in range(bins)]}
+
+
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     """One panel per checkpoint: feature similarity under l* vs l' along the episode, per layer."""
     import matplotlib
@@ -95,6 +155,33 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_counterfactual(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """Error of the chunk under l' against l''s expert along the source demo, one line per checkpoint
+    (solid: told l'; dotted: told l*, i.e. carrying on)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for i, (name, r) in enumerate(results.items()):
+        c = r["counterfactual_actions"]
+        edges = np.array(r["collapse_curve"]["progress_bins"])
+        mids = (edges[:-1] + edges[1:]) / 2
+        color = f"C{i}"
+        ax.plot(mids, [np.nan if v is None else v for v in c["error_new_by_progress"]], marker="o", color=color,
+                label=f"{name} (sens {r['action_sensitivity']:.2f})")
+        ax.plot(mids, [np.nan if v is None else v for v in c["error_old_by_progress"]], ":", color=color)
+    ax.set_xlabel("progress of l*'s demo at the state")
+    ax.set_ylabel("|action - expert's for l'| (normalized)")
+    ax.set_title("told l' (solid) / told l* (dotted), at states of l*'s demos", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 @dataclass
 class DiagnoseArgs:
     """Instruction-grounding diagnostics of checkpoints on held-out demos."""
@@ -107,18 +194,31 @@ class DiagnoseArgs:
     bins: int = 5
     seed: int = 0
     out: Path = Path("runs/diagnose")
+    counterfactual: Path | None = None
+    """`groundflow relabel --no-include-original` output from held-out demos: adds the counterfactual
+    action error (is the action under another instruction that instruction's expert action?)"""
 
 
 def diagnose_command(argv: list[str]) -> None:
     args = tyro.cli(DiagnoseArgs, args=argv, prog="groundflow diagnose")
     results = {}
+    cf = load_counterfactual(args.counterfactual) if args.counterfactual is not None else None
     for ck in args.ckpt:
         pol = policies.load(ck)
         data = ChunkData(args.data, pol.config.horizon, pol.config.cameras, pol.config.image_size)
-        results[Path(ck).parent.name if Path(ck).name == "ckpt" else Path(ck).name] = diagnose(pol, data, args.n, args.bins, args.seed)
+        name = Path(ck).parent.name if Path(ck).name == "ckpt" else Path(ck).name
+        results[name] = diagnose(pol, data, args.n, args.bins, args.seed)
+        if cf is not None:
+            results[name]["counterfactual_actions"] = counterfactual_actions(pol, cf, args.bins, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "diagnostics.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "collapse.png")
+    if cf is not None:
+        plot_counterfactual(results, args.out / "counterfactual.png")
     for name, r in results.items():
-        print(f"{name}: identification {r['identification_accuracy']:.3f}  sensitivity {r['action_sensitivity']:.3f}")
-    print(f"wrote {args.out / 'diagnostics.json'} and {args.out / 'collapse.png'}")
+        c = r.get("counterfactual_actions")
+        print(f"{name}: identification {r['identification_accuracy']:.3f}  sensitivity {r['action_sensitivity']:.3f}"
+              + ("" if c is None else f"  error under l' {c['error_new']:.3f} (told l*: {c['error_old']:.3f}, "
+                 f"closer {c['closer']:.2f})"))
+    print(f"wrote {args.out / 'diagnostics.json'} and {args.out / 'collapse.png'}"
+          + (f" and {args.out / 'counterfactual.png'}" if cf is not None else ""))
