@@ -104,6 +104,9 @@ def counterfactual_actions(policy: Any, cf: dict[str, Any], bins: int = 5, seed:
     keep = [i for i, e in enumerate(cf["episodes"]) if len(e) > 0]
     k = min(steps, policy.config.horizon)
     state = torch.as_tensor(np.stack([e.state[0] for e in eps]), dtype=torch.float32)
+    if state.shape[1] != policy.config.state_dim:
+        raise ValueError(f"the counterfactual states have {state.shape[1]} numbers, the policy reads "
+                         f"{policy.config.state_dim}: relabel demos of the suite the policy was trained on")
     kw = {}
     if policy.config.kind == "flow":
         g = torch.Generator().manual_seed(seed)
