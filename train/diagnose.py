@@ -86,8 +86,9 @@ def load_counterfactual(path: Path) -> dict[str, Any]:
     if not src.exists():
         raise DatasetError(f"{path} was relabeled from {src}, which is missing (its lengths give the progress)")
     with Dataset(src) as ds:
-        lengths = {i: len(ds.episode(i, images=False)) for i in sorted({int(e) for e, _, _ in rel["index"]})}
-        old = {i: ds.episode(i, images=False).instruction for i in lengths}
+        source = {i: ds.episode(i, images=False) for i in sorted({int(e) for e, _, _ in rel["index"]})}
+    lengths = {i: len(ep) for i, ep in source.items()}
+    old = {i: ep.instruction for i, ep in source.items()}
     if len(eps) != len(rel["index"]):
         raise DatasetError(f"{path}: {len(eps)} continuations but {len(rel['index'])} index entries")
     return {"episodes": eps, "progress": np.array([t / lengths[int(e)] for e, t, _ in rel["index"]]),
@@ -100,8 +101,8 @@ def counterfactual_actions(policy: Any, cf: dict[str, Any], bins: int = 5, seed:
     """Mean per-step L2 (normalized action units) over the first ``steps`` steps between the policy's
     chunk and the expert's continuation under l', for the policy told l' (``new``) and told l*
     (``old``), per progress bin of the source state; ``closer`` is how often new beats old."""
-    eps = [e for e in cf["episodes"] if len(e) > 0]
     keep = [i for i, e in enumerate(cf["episodes"]) if len(e) > 0]
+    eps = [cf["episodes"][i] for i in keep]
     k = min(steps, policy.config.horizon)
     state = torch.as_tensor(np.stack([e.state[0] for e in eps]), dtype=torch.float32)
     if state.shape[1] != policy.config.state_dim:
