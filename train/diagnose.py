@@ -36,6 +36,16 @@ def _counterfactual(instrs: list[str], commanded: list[str], rng: np.random.Gene
     return out
 
 
+def _bin_of(progress: np.ndarray, bins: int) -> np.ndarray:
+    """The episode-progress bin (``bins`` equal fifths, quarters, ...) of each sample."""
+    return np.clip(np.digitize(progress, np.linspace(0, 1, bins + 1)[1:-1]), 0, bins - 1)
+
+
+def _by_bin(values: np.ndarray, which: np.ndarray, bins: int) -> list[float | None]:
+    """Mean of ``values`` per bin (None for an empty bin)."""
+    return [float(values[which == b].mean()) if np.any(which == b) else None for b in range(bins)]
+
+
 @torch.no_grad()
 def diagnose(policy: Any, data: ChunkData, n: int = 256, bins: int = 5, seed: int = 0) -> dict[str, Any]:
     if len(data.instructions) < 2:
@@ -59,15 +69,14 @@ def diagnose(policy: Any, data: ChunkData, n: int = 256, bins: int = 5, seed: in
     f_cf = policy.conditioning_features({**batch, "instruction": cf}, seed=seed)
     prog = batch["progress"]
     edges = np.linspace(0, 1, bins + 1)
-    which = np.clip(np.digitize(prog, edges[1:-1]), 0, bins - 1)
+    which = _bin_of(prog, bins)
     curve = []
     for fs, fc in zip(f_star, f_cf):
         cos = torch.nn.functional.cosine_similarity(fs, fc, dim=-1).numpy()
-        curve.append([float(cos[which == b].mean()) if np.any(which == b) else None for b in range(bins)])
-    sens_bins = [float(sens[which == b].mean()) if np.any(which == b) else None for b in range(bins)]
+        curve.append(_by_bin(cos, which, bins))
+    sens_bins = _by_bin(sens, which, bins)
     id_idx, hits = identification_accuracy(policy, data, n=n, seed=seed, per_sample=True)
-    id_which = np.clip(np.digitize(data.batch(id_idx)["progress"], edges[1:-1]), 0, bins - 1)
-    id_bins = [float(hits[id_which == b].mean()) if np.any(id_which == b) else None for b in range(bins)]
+    id_bins = _by_bin(hits, _bin_of(data.batch(id_idx)["progress"], bins), bins)
     return {"identification_accuracy": float(hits.mean()), "identification_by_progress": id_bins,
             "action_sensitivity": float(sens.mean()), "action_sensitivity_by_progress": sens_bins,
             "collapse_curve": {"progress_bins": edges.tolist(), "cosine_by_layer": curve},
@@ -121,15 +130,11 @@ def counterfactual_actions(policy: Any, cf: dict[str, Any], bins: int = 5, seed:
         want = policy.normalizer.action(torch.as_tensor(e.action[:n], dtype=torch.float32))
         err_new[j] = float((a_new[j, :n] - want).norm(dim=-1).mean())
         err_old[j] = float((a_old[j, :n] - want).norm(dim=-1).mean())
-    edges = np.linspace(0, 1, bins + 1)
-    which = np.clip(np.digitize(cf["progress"][keep], edges[1:-1]), 0, bins - 1)
-
-    def per_bin(v: np.ndarray) -> list[float | None]:
-        return [float(v[which == b].mean()) if np.any(which == b) else None for b in range(bins)]
+    which = _bin_of(cf["progress"][keep], bins)
     closer = (err_new < err_old).astype(float)
     return {"error_new": float(err_new.mean()), "error_old": float(err_old.mean()), "closer": float(closer.mean()),
-            "error_new_by_progress": per_bin(err_new), "error_old_by_progress": per_bin(err_old),
-            "closer_by_progress": per_bin(closer), "samples": len(eps), "steps": k,
+            "error_new_by_progress": _by_bin(err_new, which, bins),
+            "error_old_by_progress": _by_bin(err_old, which, bins), "closer_by_progress": _by_bin(closer, which, bins), "samples": len(eps), "steps": k,
             "per_bin_samples": [int((which == b).sum()) for b in range(bins)]}
 
 
