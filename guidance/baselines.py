@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from envs.errors import InvalidOptionError
-from guidance.base import Guidance, sanitize
+from guidance.base import Guidance, importance_pick, noise_stream, sanitize
 from guidance.costs import Cost
 from guidance.accounting import VelocityCaller
 
@@ -183,8 +183,7 @@ class ImportanceParticles(Guidance):
 
     def candidate_noise(self, x0: Tensor, k: int) -> Tensor:
         if k == 1:  # seeded by the guide's seed and the caller's noise: fresh noise, fresh candidates
-            key = int(1e6 * float(x0.detach().reshape(-1)[:64].double().abs().sum())) % (2 ** 31)
-            self._gen = torch.Generator().manual_seed(0x5EED5 + 7_919 * self.seed + key)
+            self._gen = noise_stream(x0, 0x5EED5 + 7_919 * self.seed)
         return torch.randn(x0.shape, generator=self._gen, dtype=x0.dtype).to(x0.device)
 
     def select(self, candidates: Tensor) -> Tensor:
@@ -195,8 +194,5 @@ class ImportanceParticles(Guidance):
             c = torch.stack([self.cost(x) for x in candidates]).double()     # (K, B)
         self._stats.n_cost_evals += k
         logw = torch.where(torch.isfinite(c), -self.scale * c, torch.full_like(c, -float("inf")))
-        dead = torch.isinf(logw).all(0)
-        logw[0, dead] = 0.0
-        pick = torch.multinomial(torch.softmax(logw, 0).T.cpu(), 1, generator=self._gen).squeeze(1)
-        pick = pick.to(candidates.device)
+        pick = importance_pick(logw, self._gen).to(candidates.device)
         return candidates[pick, torch.arange(b, device=candidates.device)]

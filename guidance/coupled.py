@@ -63,7 +63,7 @@ import torch
 from torch import Tensor
 
 from envs.errors import InvalidOptionError
-from guidance.base import Guidance, clip_norm, resolve_projection, sanitize
+from guidance.base import Guidance, clip_norm, importance_pick, noise_stream, resolve_projection, sanitize
 from guidance.costs import Cost
 from guidance.accounting import VelocityCaller
 
@@ -167,9 +167,10 @@ class CoupledGuidance(Guidance):
                                          f"per-sample shape {event}")
         self._proj = resolve_projection(self.project, event)
         self._projected_last = False
-        # a stream apart from small user seeds: noise x0 drawn with seed s must not reappear as the
-        # particles or the fresh noise of a guide seeded s (measured: it biases the variance)
-        self._gen = torch.Generator(device=x0.device).manual_seed(0x9E3779B97F4A + 1_000_003 * self.seed)
+        # a stream apart from small user seeds (noise x0 drawn with seed s must not reappear as the
+        # particles or the fresh noise of a guide seeded s; measured: it biases the variance), keyed
+        # on x0 so that one-chunk calls do not all get the same fresh noise
+        self._gen = noise_stream(x0, 0x9E3779B97F4A + 1_000_003 * self.seed, x0.device)
 
     # ---- the three pieces: Sigma_t, the endpoint step, the move along the segment ----------
     def sigma_t(self, t: float, like: Tensor) -> Tensor:
@@ -398,8 +399,8 @@ class GuidedParticles(CoupledGuidance):
     (what one guided pass cannot). The first and last steps are deterministic (no density ratio
     exists there), so they stay unguided. Costs ``n_particles`` passes of the network, no
     backward pass with the default diagonal Sigma_t. The first candidate starts from the caller's
-    noise; the others, and the fresh noise of every step, come from streams seeded by ``seed``
-    (the same on every call, as for ``renoise``)."""
+    noise; the others, and the fresh noise of every step, from streams seeded by ``seed`` and that
+    noise (fresh on every call, as for ``renoise``)."""
 
     name = "guided_particles"
 
@@ -433,8 +434,8 @@ class GuidedParticles(CoupledGuidance):
         self._path = torch.zeros(x0.shape[0], dtype=torch.float64, device=x0.device)
 
     def candidate_noise(self, x0: Tensor, k: int) -> Tensor:
-        if k == 1:
-            self._cand_gen = torch.Generator().manual_seed(0x5EED5 + 7_919 * self.seed + 1)
+        if k == 1:  # keyed on the caller's noise too: fresh candidates on every call
+            self._cand_gen = noise_stream(x0, 0x5EED5 + 7_919 * self.seed + 1)
         self._path = torch.zeros(x0.shape[0], dtype=torch.float64, device=x0.device)
         return torch.randn(x0.shape, generator=self._cand_gen, dtype=x0.dtype).to(x0.device)
 
@@ -473,12 +474,9 @@ class GuidedParticles(CoupledGuidance):
 
     def select(self, candidates: Tensor) -> Tensor:
         k, b = candidates.shape[:2]
-        logw = torch.stack(self._logw).nan_to_num(nan=-float("inf"), posinf=1e300)  # (K, B)
-        dead = torch.isinf(logw).all(0) & (logw < 0).all(0)
-        logw[0, dead] = 0.0
         gen = self._cand_gen or torch.Generator().manual_seed(0x5EED5 + 7_919 * self.seed)
-        pick = torch.multinomial(torch.softmax(logw, 0).T.float().cpu(), 1, generator=gen).squeeze(1)
-        return candidates[pick.to(candidates.device), torch.arange(b, device=candidates.device)]
+        pick = importance_pick(torch.stack(self._logw), gen).to(candidates.device)  # (K, B) log weights
+        return candidates[pick, torch.arange(b, device=candidates.device)]
 
 
 __all__ = ["CoupledGuidance", "GuidedParticles", "PnPRenoiseGuidance", "SIGMAS", "STEPS"]

@@ -383,6 +383,25 @@ def test_guided_particles_weights_undo_the_guidance():
             guidance.make("guided_particles", cost=costs.LinearCost(a), **bad)
 
 
+def test_noise_drawn_by_a_method_is_fresh_on_every_call():
+    # a policy calls the sampler once per chunk with one sample: fresh noise (renoise) or particle
+    # candidates drawn from a stream that restarts on every call repeat chunk after chunk (measured
+    # before the fix: 2 distinct guided-particle samples of 200; renoise 1 at 1% of the variance)
+    m, s2, a = torch.tensor([0.5, -0.3]), 0.4, torch.tensor([1.0, -2.0])
+    v = _gaussian_velocity(m, s2)
+    noise = torch.randn(300, 1, 2, generator=torch.Generator().manual_seed(3))
+    for name, opt in (("guided_particles", {"s2": s2, "renoise": 0.5, "n_particles": 4}),
+                      ("particles", {"n_particles": 4}), ("coupled", {"s2": s2, "renoise": 1.0})):
+        guide = guidance.make(name, cost=costs.LinearCost(a), **opt)
+        kept = torch.cat([guidance.sample(v, x0, 10, guide=guide) for x0 in noise])
+        batched = guidance.sample(v, noise[:, 0], 10, guide=guide)
+        assert len({tuple(r) for r in kept.tolist()}) == len(noise), name   # no sample repeated
+        ratio = kept.var(0) / batched.var(0)
+        assert bool(((ratio > 0.7) & (ratio < 1.4)).all()), (name, ratio)     # the spread of one batch
+        assert float(kept.mean(0) @ a) < float(m @ a) - 0.25 * s2 * float(a @ a), name  # tilted toward low cost
+        assert torch.equal(kept[:5], torch.cat([guidance.sample(v, x0, 10, guide=guide) for x0 in noise[:5]]))
+
+
 def test_guided_particles_reach_a_stiff_band_unguided_particles_miss():
     # a narrow band of low cost across a ring: unguided candidates rarely land in it, one guided
     # pass cannot reweight the ring's modes; guided candidates with weights do both
