@@ -340,12 +340,12 @@ def default_check(summary: dict, default: str = "coupled") -> dict:
             if default not in rows:
                 continue
             comp = {n: r["swd"]["best"] for n, r in rows.items() if n not in ("mc", "none") and r["swd"]["best"] is not None}
-            best = min(comp, key=comp.get)
+            best = min(comp, key=comp.get) if comp else None  # None: every method diverged at every scale
             mine = rows[default]["swd"]["best"]
-            ratio = None if mine is None else mine / comp[best]
+            ratio = None if mine is None or best is None else mine / comp[best]
             diverged = rows[default]["swd"]["diverged_scales"]
             out.setdefault(section, {})[tbname] = {
-                "default_best_swd": mine, "class_best": best, "class_best_swd": comp[best], "ratio": ratio,
+                "default_best_swd": mine, "class_best": best, "class_best_swd": comp.get(best), "ratio": ratio,
                 "diverged_scales": diverged, "methods_compared": len(comp),
                 "pass": ratio is not None and ratio <= 1.1 and not diverged}
     return out
@@ -379,14 +379,17 @@ def rankings(summary: dict) -> list[str]:
                              else rows[n]["swd_matched"]["median"])
             for i, n in enumerate(ordered):
                 ranks.setdefault(f"matched:{n}", []).append(i + 1)
+            if math.isinf(key(best, "best")):  # every method diverged here: no ratio to take
+                continue
             for n in competitors:  # a rank hides how far behind: the ratio to the best says it
                 ratios.setdefault(n, []).append(key(n, "best") / key(best, "best"))
-        n_tb = len(per_tb)
+        n_tb = max((len(r) for r in ratios.values()), default=0)
         full = {n: r for n, r in ratios.items() if len(r) == n_tb}
         top = sorted(full, key=lambda n: sum(full[n]))[:8]
         top += [n for n in ("coupled",) if n in full and n not in top]  # the default, wherever it lands
+        skipped = f" ({len(per_tb) - n_tb} where every method diverged left out)" if n_tb < len(per_tb) else ""
         out.append(f"- {section}: mean ratio of best SWD to the best method of the testbed, mc excluded, over "
-                   f"the {n_tb} testbeds (within 10% of the best on how many): "
+                   f"the {n_tb} testbeds{skipped} (within 10% of the best on how many): "
                    + ", ".join(f"`{n}` {sum(full[n]) / n_tb:.2f}x ({sum(r <= 1.1 for r in full[n])})" for n in top))
         for kind, label, n_per in (("best", "accuracy (best SWD)", 1), ("worst", "stability (worst SWD)", 1),
                                    ("both", "accuracy and stability (mean of the two ranks)", 2),
