@@ -234,7 +234,10 @@ def merged(best: dict, sweep: dict, kind: str, episodes: int) -> tuple[dict, dic
     old = json.loads(path.read_text()) if path.exists() else {}
     if old.get(f"{sec}_meta", {}).get("episodes") != episodes:
         return best, sweep
-    out_b = {t: {**old.get(sec, {}).get(t, {}), **ms} for t, ms in best.items()}
+    def renamed(rows: dict) -> dict:  # rows stored before qpos_violation_rate became state_violation_rate
+        return {m: r if "state_violation_rate" in r or "qpos_violation_rate" not in r
+                else {**r, "state_violation_rate": r["qpos_violation_rate"]} for m, r in rows.items()}
+    out_b = {t: {**renamed(old.get(sec, {}).get(t, {})), **ms} for t, ms in best.items()}
     out_s = {t: {**old.get(f"{sec}_sweep", {}).get(t, {}), **ms} for t, ms in sweep.items()}
     return out_b, out_s
 

@@ -65,6 +65,9 @@ class Args:
 
 def main() -> None:
     a = tyro.cli(Args)
+    unknown = [m for m in a.methods if m not in CONFIGS]
+    if unknown:  # "none" (unguided) is always run as the reference row
+        raise SystemExit(f"unknown --methods {unknown}; valid: {', '.join(CONFIGS)} (unguided 'none' always runs)")
     if a.quick:
         a.scales, a.sweep_episodes, a.final_episodes, a.train_steps = (3.0, 30.0), 4, 6, 300
     data = demos(ENV, a.demos, seed=a.seed, dart_noise=a.dart_noise)
