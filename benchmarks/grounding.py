@@ -66,7 +66,7 @@ ABLATION = {  # name -> overrides of the multitask recipe (tabletop, flow)
 }
 METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "relabel", "bc_cfg",
            "cig_detached_continuation", "cig_full_continuation", "cig_pmi_continuation", "bc_2x", "cig_bounded_joint",
-           "cig_bounded_joint_early", "cig_bounded_joint_consistent")
+           "cig_bounded_joint_early", "cig_bounded_joint_consistent", "cig_full_joint", "cig_detached_joint", "cig_pmi_joint")
 
 
 @dataclass
