@@ -9,8 +9,10 @@ the re-derived noise endpoint ``(x_t - t x1_tilde) / (1 - t)`` to ``x1_tilde``:
 
 The default is ``sigma="independent", step="linesearch"``: stable at every scale and it enforces
 constraints on real policies. ``sigma="jacobian"`` (with the line search) is more accurate on the
-exact testbeds (1.21x the best method's distance on average vs 1.53x, ten cases, five added
-after the default was chosen) and on image inpainting (+2 to +4 dB), but it is not the default:
+exact testbeds (mean over four seeds, ten cases, five added after the default was chosen: with
+``renoise=1`` 1.17x the best one-pass method's distance on average, the line search alone 1.26x,
+the default 1.62x; ``benchmarks/results/guidance_seeds.md``) and on image inpainting (+2 to
++4 dB), but it is not the default:
 a policy's posterior given its observation is sharp, so the Tweedie Sigma_t is small and the
 tilt barely moves the chunk. On Adroit joint limits it left 85-100% of episodes violating on
 three of four tasks at every scale up to 1000, where the diagonal default kept the limits at

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -433,3 +435,37 @@ def test_particles_reweight_toward_the_tilted_target_for_their_network_evaluatio
     assert torch.equal(guidance.sample(v, x0[:16], 10, guide=inf), guidance.sample(v, x0[:16], 10))
     with pytest.raises(ValueError, match="n_particles"):
         guidance.make("particles", cost=tb.cost, n_particles=0)
+
+
+def test_seed_aggregation_judges_one_scale_for_all_seeds(tmp_path):
+    """A method that is best at a different scale on each seed (luck) must not beat a method that
+    is good at one scale on every seed; the per-seed verdicts stay visible beside the mean."""
+    import importlib.util
+    import json as _json
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("guidance_seeds_bench", root / "benchmarks" / "guidance_seeds.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses resolve their annotations through it
+    spec.loader.exec_module(bench)
+    curves = {  # seed -> method -> scale -> swd
+        0: {"none": [0.9, 0.9], "steady": [0.20, 0.5], "lucky": [0.10, 0.9], "mc": [0.1, 0.1]},
+        1: {"none": [0.9, 0.9], "steady": [0.21, 0.5], "lucky": [0.90, 0.10], "mc": [0.1, 0.1]},
+    }
+    paths = []
+    for seed, rows in curves.items():
+        data = {"exact": {"tb": {m: {s: {"swd": v} for s, v in zip(("1.0", "10.0"), vals)} for m, vals in rows.items()}},
+                "exact_meta": {"exact": {"seed": seed}},
+                "exact_reference": {"exact": {"tb": {"floor": {"swd": 0.05}}}}}
+        p = tmp_path / f"s{seed}.json"
+        p.write_text(_json.dumps(data))
+        paths.append(p)
+    agg = bench.aggregate(bench.load_runs(paths, "exact"), default="steady")
+    tb = agg["testbeds"]["tb"]
+    assert tb["best_class"]["method"] == "steady"          # 0.205 at scale 1 vs lucky's 0.5 at either
+    assert tb["methods"]["lucky"]["ratio_class"] > 2
+    assert agg["summary"]["lucky"]["class"]["within10_per_seed"] == [1, 1]   # one seed alone is fooled
+    assert agg["summary"]["steady"]["class"]["within10"] == 1
+    bench.write_markdown(tmp_path / "out.md", agg)
+    assert "**steady** (default)" in (tmp_path / "out.md").read_text()
+    with pytest.raises(SystemExit, match="share a seed"):
+        bench.load_runs([paths[0], paths[0]], "exact")
