@@ -7,9 +7,9 @@ reads one ``guidance.json`` per seed and judges each method on its seed-mean cur
 chosen for all seeds (the best of the mean, not the mean of per-seed bests, which would pick a
 lucky scale per seed), next to the per-seed verdicts and the seed spread.
 
-    for s in 1 2; do .venv/bin/python benchmarks/guidance.py --seed $s --no-overhead --no-plots \\
-        --out-dir runs/guidance_seed$s; done                  # ~40 min per seed on one core
-    .venv/bin/python benchmarks/guidance_seeds.py --runs benchmarks/results runs/guidance_seed1 runs/guidance_seed2
+    for s in 1 2 3; do .venv/bin/python benchmarks/guidance.py --seed $s --no-overhead --no-plots \\
+        --out-dir runs/guidance_seed$s; done                  # ~22 min per seed on one core
+    .venv/bin/python benchmarks/guidance_seeds.py --runs benchmarks/results runs/guidance_seed{1,2,3}
 
 Writes ``benchmarks/results/guidance_seeds.{json,md,png}``.
 """
@@ -95,15 +95,12 @@ def aggregate(runs: list[dict], default: str) -> dict:
         floors = [r["reference"].get(tb, {}).get("floor", {}).get("swd") for r in runs]
         entry = {"noise_floor_swd": floors, "methods": rows}
         for label, keep in (("class", lambda c: True), ("one_pass", one_pass)):
-            comp = {c: v["mean_curve_best"] for c, v in rows.items()
-                    if c not in NOT_COMPETING and keep(c) and v["mean_curve_best"] is not None}
+            competing = {c: v for c, v in rows.items() if c not in NOT_COMPETING and keep(c)}
+            comp = {c: v["mean_curve_best"] for c, v in competing.items() if v["mean_curve_best"] is not None}
             best = min(comp, key=comp.get)
             entry[f"best_{label}"] = {"method": best, "swd": comp[best]}
-            per_seed_best = []
-            for i in range(len(runs)):
-                ps = {c: v["per_seed_best"][i] for c, v in rows.items()
-                      if c not in NOT_COMPETING and keep(c) and v["per_seed_best"][i] is not None}
-                per_seed_best.append(min(ps.values()))
+            per_seed_best = [min(v["per_seed_best"][i] for v in competing.values() if v["per_seed_best"][i] is not None)
+                             for i in range(len(runs))]
             for c, v in rows.items():
                 if c in NOT_COMPETING or v["mean_curve_best"] is None:
                     continue

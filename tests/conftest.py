@@ -8,6 +8,22 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import envs  # noqa: E402,F401  (platform set-up before any simulator import)
 
+import importlib.util  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str, monkeypatch):
+    """Import ``benchmarks/<name>.py`` (a script, not a package) for a test; registered in
+    sys.modules for the test's duration because dataclasses look their module up there."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
 
 def recording(robot_cls: type) -> type:
     """A subclass of a robot driver that also keeps every command its driver interface received

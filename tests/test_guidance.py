@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from conftest import load_benchmark
 
 import guidance
 from guidance import costs, distances, testbed
@@ -437,16 +436,11 @@ def test_particles_reweight_toward_the_tilted_target_for_their_network_evaluatio
         guidance.make("particles", cost=tb.cost, n_particles=0)
 
 
-def test_seed_aggregation_judges_one_scale_for_all_seeds(tmp_path):
+def test_seed_aggregation_judges_one_scale_for_all_seeds(tmp_path, monkeypatch):
     """A method that is best at a different scale on each seed (luck) must not beat a method that
     is good at one scale on every seed; the per-seed verdicts stay visible beside the mean."""
-    import importlib.util
     import json as _json
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("guidance_seeds_bench", root / "benchmarks" / "guidance_seeds.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses resolve their annotations through it
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("guidance_seeds", monkeypatch)
     curves = {  # seed -> method -> scale -> swd
         0: {"none": [0.9, 0.9], "steady": [0.20, 0.5], "lucky": [0.10, 0.9], "mc": [0.1, 0.1]},
         1: {"none": [0.9, 0.9], "steady": [0.21, 0.5], "lucky": [0.90, 0.10], "mc": [0.1, 0.1]},

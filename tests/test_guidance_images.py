@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 
 import guidance
 from guidance import costs
@@ -17,7 +15,6 @@ from guidance.image_model import (ImageFlowConfig, ImageVelocity, load_digits_im
                                   split_indices, ssim, train_image_flow)
 
 torch.set_num_threads(1)
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ImageFlowConfig(size=16, base=16, steps=600, batch=64, lr=3e-3, ema=0.99)  # ~15-20 s on 1 core
 
 
@@ -131,10 +128,7 @@ def test_soft_guidance_pulls_super_resolution_toward_the_measurement(tiny):
 
 
 def test_benchmark_keeps_other_sections_of_the_results_file(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("guidance_images_bench", ROOT / "benchmarks" / "guidance_images.py")
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up there
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("guidance_images", monkeypatch)
     path = tmp_path / "guidance.json"
     path.write_text(json.dumps({"exact": {"keep": 1}, "images": {"old": 0}}))
     bench.write_json(path, {"sr4": {"coupled": {"psnr": 20.0}}}, {"n_images": 2})
