@@ -24,6 +24,8 @@ partial run keeps what it measured; trained runs are reused from --runs.
         --seeds 0 1 2 --conditions shortcut --rho 0.9      # more episodes for existing checkpoints
     .venv/bin/python benchmarks/grounding.py --part switch --runs runs/g3 --methods bc relabel \
         --seeds 0 1 2 --conditions random                 # P4 broken down by the state at the switch
+    .venv/bin/python benchmarks/grounding.py --part conflict --runs runs/g3 --families ar --methods bc \
+        cig_bounded_joint --seeds 2 --conditions shortcut --rho 0.9   # P2 checkpoints: layout vs instruction
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "
 
 @dataclass
 class Args:
-    part: Literal["competence", "ablation", "protocols", "copycat", "recheck", "switch"] = "competence"
+    part: Literal["competence", "ablation", "protocols", "copycat", "recheck", "switch", "conflict"] = "competence"
     suites: tuple[str, ...] = ("tabletop",)
     families: tuple[str, ...] = ("flow", "ar", "mlp")
     methods: tuple[str, ...] = METHODS
@@ -113,7 +115,7 @@ class Args:
     """peak learning rate of continuations (the base run's cosine schedule ended near 0)"""
     recheck_episodes: int = 96
     """recheck part: fresh random-layout episodes per checkpoint (seed 70 000, apart from the protocols');
-    switch part: switch cases (seed 80 000)"""
+    switch part: switch cases (seed 80 000); conflict part: episodes per checkpoint (seed 90 000)"""
     relabel_k: int = 2
     dual_weight: float = 1.0
     cfg_scale: float = 2.0
@@ -395,6 +397,52 @@ def switch(a: Args, res: dict[str, Any]) -> None:
         _save(a, res)
 
 
+def conflict(a: Args, res: dict[str, Any]) -> None:
+    """P2 checkpoints (trained where the layout names the task) on the correlated layout of another
+    task while one is commanded, next to their own layouts (train/protocols.py
+    ``layout_conflict_eval``): says whether a P2 failure is the shortcut (the layout's task done
+    instead) or the random test layouts themselves (nothing done)."""
+    from train.protocols import layout_conflict_eval
+    if a.conditions[0] != "shortcut":
+        raise SystemExit("--part conflict tests checkpoints trained on the shortcut data: pass --conditions shortcut")
+    for suite, fam, cond, method, seed, run in _checkpoints(a, "conflict"):
+        ev = layout_conflict_eval(policies.load(run / "ckpt"), SUITES[suite], episodes=a.recheck_episodes, seed=90_000)
+        res.setdefault("conflict", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
+            f"{method}{a.label}_s{seed}"] = {k: ev[k] for k in ("conflict", "in_distribution", "episodes")}
+        c, i = ev["conflict"], ev["in_distribution"]
+        print(f"[conflict] {suite} {fam} {cond} {method} s{seed}: conflict {c['success_rate']:.2f} "
+              f"(layout's task {c['did_layout_task_rate']:.2f}), own layouts {i['success_rate']:.2f}", flush=True)
+        _save(a, res)
+
+
+def _conflict_table(cf: dict[str, Any]) -> list[str]:
+    if not cf:
+        return []
+    rows = []
+    for su, fams in cf.items():
+        for fa, conds in fams.items():
+            for cond, keys in conds.items():
+                for key, r in sorted(keys.items()):
+                    c, i = r["conflict"], r["in_distribution"]
+                    by = c.get("by_layout_object", {})
+                    split = [f"{v['successes']}/{v['episodes']}" for v in (by.get("commanded object"), by.get("another object"))
+                             if v] or ["-", "-"]
+                    rows.append([su, fa, cond, key, f"{i['success_rate']:.2f} [{i['ci95'][0]:.2f}, {i['ci95'][1]:.2f}]",
+                                 f"{c['success_rate']:.2f} [{c['ci95'][0]:.2f}, {c['ci95'][1]:.2f}]", *split,
+                                 f"{c['did_layout_task_rate']:.2f}", f"{c['did_other_task_rate']:.2f}",
+                                 f"{1 - c['success_rate'] - c['did_layout_task_rate'] - c['did_other_task_rate']:.2f}",
+                                 r["episodes"]])
+    return ["## Layout conflict: P2 checkpoints on the layout of another task (conflict part, seed 90 000)", "",
+            "Own layouts: the commanded task's correlated layout (the training distribution). Conflict: the same seeds "
+            "and instructions on the correlated layout of another task: a policy that follows the layout does the "
+            "layout's task (at any step); one torn between the two does nothing. The conflict layouts cycle through "
+            "the other tasks: some put the commanded object first (the layout names another task on it), the others "
+            "another object.", "",
+            md_table(["suite", "policy", "trained on", "method_seed", "own layouts [95% CI]", "conflict [95% CI]",
+                      "conflict, layout on the commanded object", "conflict, layout on another object",
+                      "did the layout's task", "did another task", "nothing done", "episodes"], rows), ""]
+
+
 def _switch_groups(per_case: list[dict[str, Any]]) -> dict[str, list[int]]:
     """[successes, switches] of the counted cases per group: what the gripper held at the switch,
     and the old task's family."""
@@ -531,6 +579,7 @@ def _table(res: dict[str, Any]) -> str:
         lines += [md_table(["suite", "policy", "trained on", "method_seed", "success [95% CI]", "episodes",
                             "did another task"], rows), ""]
     lines += _switch_table(res.get("switch", {}))
+    lines += _conflict_table(res.get("conflict", {}))
     lines += [f"Machine: {res.get('machine')}", ""]
     return "\n".join(lines)
 
@@ -632,7 +681,7 @@ def main() -> None:
         _aggregate(res)
         return _save(a, res)
     {"competence": competence, "ablation": ablation, "protocols": protocols, "copycat": copycat,
-     "recheck": recheck, "switch": switch}[a.part](a, res)
+     "recheck": recheck, "switch": switch, "conflict": conflict}[a.part](a, res)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from envs.errors import InvalidOptionError
 from envs.perturbations import (FAMILIES, LAYOUT_SPECS, PERTURBATIONS, NotApplicableError, not_applicable,
                                 perturb)
 from train.evaluate import rollout
-from train.protocols import ExpertPolicy, _Tracked, correlated_split_eval, perturbation_eval, swap_eval
+from train.protocols import (ExpertPolicy, _Tracked, correlated_split_eval, layout_conflict_eval, perturbation_eval,
+                             swap_eval)
 
 TABLETOP = "maniskill/TabletopSuite-v1"
 KITCHEN = "robosuite/KitchenSuite"
@@ -194,6 +195,26 @@ def test_correlated_split_exposes_a_scene_reading_policy(tabletop):
     assert res["gap"] >= 0.5
 
 
+def test_layout_conflict_separates_following_the_scene_from_following_the_instruction(tabletop):
+    reader = layout_conflict_eval(SceneReader(), TABLETOP, episodes=12, seed=50, env=tabletop)
+    assert reader["in_distribution"]["success_rate"] >= 0.9
+    assert reader["conflict"]["success_rate"] <= 0.1 and reader["conflict"]["did_layout_task_rate"] >= 0.8
+    expert = layout_conflict_eval(ExpertPolicy(), TABLETOP, episodes=12, seed=50, env=tabletop)
+    assert expert["conflict"]["success_rate"] >= 0.9 and expert["conflict"]["did_layout_task_rate"] == 0.0
+    assert all(e["layout_task"] != e["instruction"] for e in expert["per_episode"])
+    by = expert["conflict"]["by_layout_object"]
+    assert sum(v["episodes"] for v in by.values()) == 12 and all(v["episodes"] for v in by.values())
+
+
+def test_layout_conflict_bad_input(tabletop):
+    with pytest.raises(InvalidOptionError, match="layout_task_id"):
+        layout_conflict_eval(ExpertPolicy(), KITCHEN, episodes=2)
+    with pytest.raises(InvalidOptionError, match="episodes"):
+        layout_conflict_eval(ExpertPolicy(), TABLETOP, episodes=0, env=tabletop)
+    with pytest.raises(InvalidOptionError, match="layout='correlated'"):
+        tabletop.reset(seed=0, options={"task_id": 0, "layout": "random", "layout_task_id": 3})
+
+
 # ----- kitchen (robosuite): perturbations ----------------------------------------------------------
 def test_kitchen_noise_paraphrase_layout_robot(kitchen):
     suite = kitchen.suite
@@ -232,7 +253,7 @@ def test_kitchen_other_task_counted_with_task_id_lists(kitchen):
     # the kitchen reports completed tasks as ids; task 0 done under command 1 is "another task"
     out = rollout(ExpertPolicy(kitchen, task=0), _Tracked(kitchen), 2,
                   options={"instruction": kitchen.suite.tasks[1].instruction})
-    assert out == {"success": False, "other_task": True, "completed_at_end": [0]}
+    assert out == {"success": False, "other_task": True, "completed_at_end": [0], "completed_ever": [0]}
 
 
 # ----- images: camera and lighting -----------------------------------------------------------------

@@ -75,6 +75,7 @@ def _rollout(policy: Any, env: Any, seed: int, options: dict | None, act: Callab
         obs["instruction"] = instruction
     policy.reset()
     success, other, done = False, False, None
+    ever: set[int] = set()  # tasks completed at some step (a task can be undone later)
     for _ in range(env.max_episode_steps):
         action = (act or policy.select_action)(obs)
         obs, reward, term, trunc, info = env.step(action)
@@ -88,10 +89,12 @@ def _rollout(policy: Any, env: Any, seed: int, options: dict | None, act: Callab
         done = info.get("completed_tasks")
         if done is not None and np.any(np.asarray(done)):
             other = True
+            ever.update(int(i) for i in np.flatnonzero(np.asarray(done)))
         if trunc or term:
             break
     final = [] if done is None else [int(i) for i in np.flatnonzero(np.asarray(done))]
-    return {"success": success, "other_task": other and not success, "completed_at_end": final}
+    return {"success": success, "other_task": other and not success, "completed_at_end": final,
+            "completed_ever": sorted(ever)}
 
 
 def _frame(env: Any, obs: dict) -> np.ndarray:

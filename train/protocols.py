@@ -6,6 +6,8 @@
 - :func:`correlated_split_eval` — a policy trained on ``layout="correlated"`` (the scene predicts
   the task) evaluated in distribution (correlated) and on the split (``layout="random"``), on
   the same seeds. A policy that reads the task off the scene falls to about 1/K on the split.
+- :func:`layout_conflict_eval` — the same policy on the correlated layout of one task while
+  another is commanded: the shortcut alone, without unseen layouts (tabletop suite).
 - :func:`perturbation_eval` — success under each LIBERO-Plus-style perturbation family of
   :mod:`envs.perturbations`, next to the clean success on the same seeds; families that cannot
   apply to the env (e.g. camera shifts without cameras) are reported as skipped with the reason.
@@ -297,6 +299,79 @@ def correlated_split_eval(policy: Any, env_id: str, episodes: int = 24, seed: in
         out[key] = {"layout": layout, **result}
     out["gap"] = out["in_distribution"]["success_rate"] - out["split"]["success_rate"]
     return out
+
+
+CONFLICT_ENVS = ("maniskill/TabletopSuite-v1",)
+"""suites whose reset takes ``layout_task_id`` (lay the scene out for one task, command another)"""
+
+
+def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 5000,
+                         instructions: list[str] | None = None, progress: bool = False,
+                         env: Any = None) -> dict[str, Any]:
+    """P2's shortcut test without its layout-generalization confound.
+
+    P2 tests a policy trained where the layout names the task on random layouts, which mixes two
+    failures: following the layout instead of the instruction, and not acting well on layouts
+    rarely seen. Here every episode's scene is the correlated layout of another task (one the
+    policy trained on) while instruction ``j`` is commanded: only the instruction says what to do.
+    ``conflict``: success, ``did_layout_task_rate`` (the task the layout names was done at some
+    step instead) and other tasks; ``in_distribution``: the same seeds and instructions on their
+    own layouts.
+    Episode ``e`` commands ``instructions[e % n]`` on the layout of the suite's tasks other than
+    it, in turn. ``env``: reuse an env of ``env_id`` (the caller closes it)."""
+    if env_id not in CONFLICT_ENVS:
+        raise InvalidOptionError(f"layout_conflict_eval needs a suite whose reset takes layout_task_id "
+                                 f"({', '.join(CONFLICT_ENVS)}); got {env_id!r}")
+    episodes = _check_positive("episodes", episodes)
+    own = env is None
+    env = envs.make(env_id) if own else env
+    try:
+        _prepare(policy, env)
+        suite = env.suite
+        instrs = list(instructions or suite.instructions)
+        if hasattr(policy, "lang"):
+            check_vocabulary(policy, instrs, suite, what=f"the {suite.name} suite")
+        n = len(instrs)
+        keys = ("conflict", "in_distribution")
+        counts = {k: {"success": 0, "layout_task": 0, "other": 0} for k in keys}
+        same_object = {True: [0, 0], False: [0, 0]}  # conflict [successes, episodes] by the layout's object
+        per_episode = []
+        t0 = time.time()
+        for e in tqdm(range(episodes), desc="layout conflict", disable=not progress, unit="ep"):
+            task = suite.task(instrs[e % n])
+            others = [t.task_id for t in suite.tasks if t.task_id != task.task_id]
+            layout_task = others[(e // n) % len(others)]
+            same = _primary(task) == _primary(suite.tasks[layout_task])  # the scene puts the commanded object first
+            row = {"instruction": instrs[e % n], "layout_task": suite.tasks[layout_task].instruction,
+                   "same_object": same}
+            for k, lt in zip(keys, (layout_task, task.task_id)):
+                out = rollout(policy, env, seed + e, options={"instruction": instrs[e % n], "layout": "correlated",
+                                                              "layout_task_id": lt})
+                did_layout = k == "conflict" and not out["success"] and lt in out["completed_ever"]
+                counts[k]["success"] += out["success"]
+                counts[k]["layout_task"] += did_layout
+                counts[k]["other"] += out["other_task"] and not did_layout
+                if k == "conflict":
+                    same_object[same][0] += out["success"]
+                    same_object[same][1] += 1
+                row[k] = {"success": bool(out["success"]), "did_layout_task": bool(did_layout),
+                          "completed": out["completed_ever"]}
+            per_episode.append(row)
+    finally:
+        if own:
+            env.close()
+    res: dict[str, Any] = {"protocol": "layout_conflict", "env_id": env_id, "episodes": episodes, "seed": seed,
+                           "seconds": time.time() - t0, "per_episode": per_episode}
+    for k in keys:
+        c = counts[k]
+        res[k] = {"success_rate": c["success"] / episodes, "ci95": list(wilson(c["success"], episodes)),
+                  "did_layout_task_rate": c["layout_task"] / episodes,
+                  "did_layout_task_ci95": list(wilson(c["layout_task"], episodes)),
+                  "did_other_task_rate": c["other"] / episodes, "episodes": episodes}
+    res["conflict"]["by_layout_object"] = {
+        name: {"successes": same_object[flag][0], "episodes": same_object[flag][1]}
+        for name, flag in (("commanded object", True), ("another object", False))}
+    return res
 
 
 # ===================================================================================== #

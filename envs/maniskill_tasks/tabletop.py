@@ -93,7 +93,8 @@ class GroundflowTabletopEnv(_TableTask):
     """Three cubes, two goal discs; the commanded task is chosen at reset.
 
     Options of ``reset``: ``task_id`` (int, default: keep the current one), ``layout`` and
-    ``layout_rho`` (this episode only). Constructor: ``layout="random"`` (placement independent
+    ``layout_rho`` (this episode only), ``layout_task_id`` (correlated layout only: lay the scene
+    out as for that task while another is commanded; the shortcut test of P2). Constructor: ``layout="random"`` (placement independent
     of the task: the same seed gives the same initial state under every instruction) or
     ``"correlated"`` (which cube sits in which slot and the column shift are a one-to-one function
     of the task; only the small seeded jitter varies). The seeded random draws are identical
@@ -139,6 +140,12 @@ class GroundflowTabletopEnv(_TableTask):
         self.episode_layout = _check_layout(options.get("layout", self.layout))
         rho = (check_layout_rho(options["layout_rho"], self.episode_layout) if "layout_rho" in options
                else self.layout_rho)
+        layout_task = self.commanded_task_id
+        if options.get("layout_task_id") is not None:  # the layout of another task (P2's conflict test)
+            if self.episode_layout != "correlated":
+                raise InvalidOptionError("layout_task_id names whose correlated layout to use; it needs "
+                                         f"layout='correlated', got layout={self.episode_layout!r}")
+            layout_task = _check_task_id(options["layout_task_id"])
         with torch.device(self.device):
             self.table_scene.initialize(env_idx)
             rng = self._episode_rng
@@ -152,7 +159,7 @@ class GroundflowTabletopEnv(_TableTask):
             if self.episode_layout == "correlated" and rho < 1 and not rng.rand() < rho:
                 self.episode_layout = "random"
             if self.episode_layout == "correlated":
-                perm, shift_i = correlated_layout(self.suite.tasks[self.commanded_task_id])
+                perm, shift_i = correlated_layout(self.suite.tasks[layout_task])
             self.slot_cubes = perm
             for slot, ci in enumerate(perm):
                 x = SLOT_X[slot] + COLUMN_SHIFTS[shift_i] + jit[slot, 0]
