@@ -94,11 +94,11 @@ class GroundflowTabletopEnv(_TableTask):
 
     Options of ``reset``: ``task_id`` (int, default: keep the current one), ``layout`` and
     ``layout_rho`` (this episode only), ``layout_task_id`` (correlated layout only: lay the scene
-    out as for that task while another is commanded; the shortcut test of P2). Constructor: ``layout="random"`` (placement independent
-    of the task: the same seed gives the same initial state under every instruction) or
-    ``"correlated"`` (which cube sits in which slot and the column shift are a one-to-one function
-    of the task; only the small seeded jitter varies). The seeded random draws are identical
-    under both layouts.
+    out as for that task while another is commanded; the shortcut test of P2).
+    Constructor: ``layout="random"`` (placement independent of the task: the same seed gives the
+    same initial state under every instruction) or ``"correlated"`` (which cube sits in which slot
+    and the column shift are a one-to-one function of the task; only the small seeded jitter
+    varies). The seeded random draws are identical under both layouts.
 
     ``layout_rho`` (``layout="correlated"`` only, default 1): the probability that an episode's
     layout names its task. Each episode draws one extra number from its seeded rng, after every
