@@ -74,7 +74,7 @@ def _rollout(policy: Any, env: Any, seed: int, options: dict | None, act: Callab
     if instruction is not None:
         obs["instruction"] = instruction
     policy.reset()
-    success, other, done = False, False, None
+    success, done = False, None
     ever: set[int] = set()  # tasks completed at some step (a task can be undone later)
     for _ in range(env.max_episode_steps):
         action = (act or policy.select_action)(obs)
@@ -87,13 +87,12 @@ def _rollout(policy: Any, env: Any, seed: int, options: dict | None, act: Callab
             success = True
             break
         done = info.get("completed_tasks")
-        if done is not None and np.any(np.asarray(done)):
-            other = True
+        if done is not None:
             ever.update(int(i) for i in np.flatnonzero(np.asarray(done)))
         if trunc or term:
             break
     final = [] if done is None else [int(i) for i in np.flatnonzero(np.asarray(done))]
-    return {"success": success, "other_task": other and not success, "completed_at_end": final,
+    return {"success": success, "other_task": bool(ever) and not success, "completed_at_end": final,
             "completed_ever": sorted(ever)}
 
 

@@ -333,8 +333,6 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
             check_vocabulary(policy, instrs, suite, what=f"the {suite.name} suite")
         n = len(instrs)
         keys = ("conflict", "in_distribution")
-        counts = {k: {"success": 0, "layout_task": 0, "other": 0} for k in keys}
-        same_object = {True: [0, 0], False: [0, 0]}  # conflict [successes, episodes] by the layout's object
         per_episode = []
         t0 = time.time()
         for e in tqdm(range(episodes), desc="layout conflict", disable=not progress, unit="ep"):
@@ -348,14 +346,8 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
                 out = rollout(policy, env, seed + e, options={"instruction": instrs[e % n], "layout": "correlated",
                                                               "layout_task_id": lt})
                 did_layout = k == "conflict" and not out["success"] and lt in out["completed_ever"]
-                counts[k]["success"] += out["success"]
-                counts[k]["layout_task"] += did_layout
-                counts[k]["other"] += out["other_task"] and not did_layout
-                if k == "conflict":
-                    same_object[same][0] += out["success"]
-                    same_object[same][1] += 1
-                row[k] = {"success": bool(out["success"]), "did_layout_task": bool(did_layout),
-                          "completed": out["completed_ever"]}
+                row[k] = {"success": bool(out["success"]), "did_layout_task": did_layout,
+                          "did_other_task": out["other_task"] and not did_layout, "completed": out["completed_ever"]}
             per_episode.append(row)
     finally:
         if own:
@@ -363,14 +355,14 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
     res: dict[str, Any] = {"protocol": "layout_conflict", "env_id": env_id, "episodes": episodes, "seed": seed,
                            "seconds": time.time() - t0, "per_episode": per_episode}
     for k in keys:
-        c = counts[k]
-        res[k] = {"success_rate": c["success"] / episodes, "ci95": list(wilson(c["success"], episodes)),
-                  "did_layout_task_rate": c["layout_task"] / episodes,
-                  "did_layout_task_ci95": list(wilson(c["layout_task"], episodes)),
-                  "did_other_task_rate": c["other"] / episodes, "episodes": episodes}
-    res["conflict"]["by_layout_object"] = {
-        name: {"successes": same_object[flag][0], "episodes": same_object[flag][1]}
-        for name, flag in (("commanded object", True), ("another object", False))}
+        succ, layout, other = (sum(r[k][f] for r in per_episode) for f in ("success", "did_layout_task", "did_other_task"))
+        res[k] = {"success_rate": succ / episodes, "ci95": list(wilson(succ, episodes)),
+                  "did_layout_task_rate": layout / episodes, "did_layout_task_ci95": list(wilson(layout, episodes)),
+                  "did_other_task_rate": other / episodes, "episodes": episodes}
+    by = res["conflict"]["by_layout_object"] = {}
+    for name, flag in (("commanded object", True), ("another object", False)):
+        rows = [r for r in per_episode if r["same_object"] == flag]
+        by[name] = {"successes": sum(r["conflict"]["success"] for r in rows), "episodes": len(rows)}
     return res
 
 
