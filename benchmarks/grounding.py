@@ -408,10 +408,12 @@ def conflict(a: Args, res: dict[str, Any]) -> None:
     for suite, fam, cond, method, seed, run in _checkpoints(a, "conflict"):
         ev = layout_conflict_eval(policies.load(run / "ckpt"), SUITES[suite], episodes=a.recheck_episodes, seed=90_000)
         res.setdefault("conflict", {}).setdefault(suite, {}).setdefault(fam, {}).setdefault(cond, {})[
-            f"{method}{a.label}_s{seed}"] = {k: ev[k] for k in ("conflict", "in_distribution", "episodes")}
-        c, i = ev["conflict"], ev["in_distribution"]
+            f"{method}{a.label}_s{seed}"] = {k: ev[k] for k in ("conflict", "in_distribution", "random", "episodes")}
+        c, i, r = ev["conflict"], ev["in_distribution"], ev["random"]
         print(f"[conflict] {suite} {fam} {cond} {method} s{seed}: conflict {c['success_rate']:.2f} "
-              f"(layout's task {c['did_layout_task_rate']:.2f}), own layouts {i['success_rate']:.2f}", flush=True)
+              f"(layout's task {c['did_layout_task_rate']:.2f}), own layouts {i['success_rate']:.2f}, random layouts "
+              f"{r['success_rate']:.2f}; failures by what the gripper went for first: conflict "
+              f"{c['failures_approached_first']}, random {r['failures_approached_first']}", flush=True)
         _save(a, res)
 
 
@@ -440,7 +442,37 @@ def _conflict_table(cf: dict[str, Any]) -> list[str]:
             "another object.", "",
             md_table(["suite", "policy", "trained on", "method_seed", "own layouts [95% CI]", "conflict [95% CI]",
                       "conflict, layout on the commanded object", "conflict, layout on another object",
-                      "did the layout's task", "did another task", "nothing done", "episodes"], rows), ""]
+                      "did the layout's task", "did another task", "nothing done", "episodes"], rows), ""] + _approach_table(cf)
+
+
+def _approach_table(cf: dict[str, Any]) -> list[str]:
+    """Failures split by the object the gripper went for first (``approached_first``, runs of the
+    conflict part since it records them)."""
+    rows = []
+    for su, fams in cf.items():
+        for fa, conds in fams.items():
+            for cond, keys in conds.items():
+                for key, r in sorted(keys.items()):
+                    for scene in ("random", "conflict"):
+                        c = r.get(scene, {})
+                        if "failures_approached_first" not in c:
+                            continue
+                        f, w = c["failures_approached_first"], c["approached_first"]
+                        n = sum(f.values())
+                        rows.append([su, fa, cond, key, scene, f"{c['success_rate']:.2f}",
+                                     f"{w['commanded']}/{sum(w.values())}", n,
+                                     *(f"{f[k]}" if scene == "conflict" or k != "layout's" else "-"
+                                       for k in ("commanded", "layout's", "another", "none"))])
+    if not rows:
+        return []
+    return ["## What the gripper went for first (conflict part, seed 90 000)", "",
+            "The first object whose centre the gripper's centre came within 5 cm of (a successful push comes within "
+            "3-4.7 cm). A failure at the commanded object is one of execution; one at another object, of grounding "
+            "(what CIG can act on). Random: the same seeds and instructions on random layouts, P2's test scenes.", "",
+            md_table(["suite", "policy", "trained on", "method_seed", "scenes", "success", "went for the commanded "
+                      "object first (all episodes)", "failures", "failures: commanded object first",
+                      "failures: the layout's object first", "failures: another object first", "failures: no object"],
+                     rows), ""]
 
 
 def _switch_groups(per_case: list[dict[str, Any]]) -> dict[str, list[int]]:

@@ -204,6 +204,14 @@ def test_layout_conflict_separates_following_the_scene_from_following_the_instru
     assert all(e["layout_task"] != e["instruction"] for e in expert["per_episode"])
     by = expert["conflict"]["by_layout_object"]
     assert sum(v["episodes"] for v in by.values()) == 12 and all(v["episodes"] for v in by.values())
+    # which object the gripper went for first: the expert the commanded one under every layout; the
+    # scene reader the layout's one wherever the layout puts another object first
+    for k in ("conflict", "in_distribution", "random"):
+        assert expert[k]["approached_first"]["commanded"] >= 11, (k, expert[k]["approached_first"])
+    assert expert["random"]["success_rate"] >= 0.9
+    other_object = by["another object"]["episodes"]
+    assert reader["conflict"]["approached_first"]["layout's"] >= other_object - 1, reader["conflict"]["approached_first"]
+    assert sum(reader["conflict"]["failures_approached_first"].values()) == 12 - round(12 * reader["conflict"]["success_rate"])
 
 
 def test_layout_conflict_bad_input(tabletop):

@@ -305,6 +305,48 @@ CONFLICT_ENVS = ("maniskill/TabletopSuite-v1",)
 """suites whose reset takes ``layout_task_id`` (lay the scene out for one task, command another)"""
 
 
+APPROACH_RADIUS = 0.05
+"""metres from the gripper's centre to an object's centre that count as going for the object (a
+successful tabletop push comes within 3-4.7 cm of its cube; a pick or stack within 2.5 cm)"""
+
+
+class _FirstApproach:
+    """An ``act`` hook for :func:`rollout`: acts with ``act`` and records which object the gripper
+    went for first, the first whose centre it came within :data:`APPROACH_RADIUS` of. Positions come
+    from the observed state through the env's ``state_layout`` (``extra/tcp_pose`` and every
+    ``extra/<name>_cube_pose``). Why: a failure that went for the commanded object is an execution
+    failure; one that went for another object is a grounding failure, which CIG can act on."""
+
+    def __init__(self, env: Any, act: Any):
+        layout = getattr(base_env(env), "state_layout", None) or []
+        offsets, at = {}, 0
+        for name, size in layout:
+            offsets[name] = at
+            at += size
+        if "extra/tcp_pose" not in offsets:
+            raise InvalidOptionError("which object the gripper went for needs 'extra/tcp_pose' in the env's state "
+                                     f"layout; got {[n for n, _ in layout]}")
+        self._tcp = offsets["extra/tcp_pose"]
+        self._objects = {n[len("extra/"):-len("_cube_pose")]: i for n, i in offsets.items()
+                         if n.startswith("extra/") and n.endswith("_cube_pose")}
+        self._act = act
+        self.first: str | None = None
+
+    def __call__(self, obs: dict) -> np.ndarray:
+        if self.first is None:
+            s = np.asarray(obs["state"], dtype=np.float64)
+            tcp = s[self._tcp:self._tcp + 3]
+            near = [n for n, i in self._objects.items() if np.linalg.norm(s[i:i + 3] - tcp) < APPROACH_RADIUS]
+            if near:
+                self.first = min(near, key=lambda n: np.linalg.norm(s[self._objects[n]:self._objects[n] + 3] - tcp))
+        return self._act(obs)
+
+
+APPROACHED = ("commanded", "layout's", "another", "none")
+"""what the gripper went for first, per episode: the commanded object, the one the conflict layout
+puts first (when that is another), another object, or none"""
+
+
 def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 5000,
                          instructions: list[str] | None = None, progress: bool = False,
                          env: Any = None) -> dict[str, Any]:
@@ -317,6 +359,10 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
     ``conflict``: success, ``did_layout_task_rate`` (the task the layout names was done at some
     step instead) and other tasks; ``in_distribution``: the same seeds and instructions on their
     own layouts.
+    ``random``: the same seeds and instructions on random layouts (P2's own test scenes).
+    Every condition also says which object the gripper went for first (``approached_first``:
+    counts over :data:`APPROACHED`, for all episodes and for the failures), so a failure splits into
+    going for the wrong object (grounding) and failing at the right one (execution).
     Episode ``e`` commands ``instructions[e % n]`` on the layout of the suite's tasks other than
     it, in turn. ``env``: reuse an env of ``env_id`` (the caller closes it)."""
     if env_id not in CONFLICT_ENVS:
@@ -332,7 +378,7 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
         if hasattr(policy, "lang"):
             check_vocabulary(policy, instrs, suite, what=f"the {suite.name} suite")
         n = len(instrs)
-        keys = ("conflict", "in_distribution")
+        keys = ("conflict", "in_distribution", "random")
         per_episode = []
         t0 = time.time()
         for e in tqdm(range(episodes), desc="layout conflict", disable=not progress, unit="ep"):
@@ -342,12 +388,17 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
             same = _primary(task) == _primary(suite.tasks[layout_task])  # the scene puts the commanded object first
             row = {"instruction": instrs[e % n], "layout_task": suite.tasks[layout_task].instruction,
                    "same_object": same}
-            for k, lt in zip(keys, (layout_task, task.task_id)):
-                out = rollout(policy, env, seed + e, options={"instruction": instrs[e % n], "layout": "correlated",
-                                                              "layout_task_id": lt})
+            for k, lt in zip(keys, (layout_task, task.task_id, None)):
+                opts = {"instruction": instrs[e % n], "layout": "random"} if lt is None else {
+                    "instruction": instrs[e % n], "layout": "correlated", "layout_task_id": lt}
+                track = _FirstApproach(env, policy.select_action)
+                out = rollout(policy, env, seed + e, options=opts, act=track)
                 did_layout = k == "conflict" and not out["success"] and lt in out["completed_ever"]
+                went = ("none" if track.first is None else "commanded" if track.first == _primary(task)
+                        else "layout's" if k == "conflict" and track.first == _primary(suite.tasks[lt]) else "another")
                 row[k] = {"success": bool(out["success"]), "did_layout_task": did_layout,
-                          "did_other_task": out["other_task"] and not did_layout, "completed": out["completed_ever"]}
+                          "did_other_task": out["other_task"] and not did_layout, "completed": out["completed_ever"],
+                          "approached_first": went}
             per_episode.append(row)
     finally:
         if own:
@@ -359,6 +410,9 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
         res[k] = {"success_rate": succ / episodes, "ci95": list(wilson(succ, episodes)),
                   "did_layout_task_rate": layout / episodes, "did_layout_task_ci95": list(wilson(layout, episodes)),
                   "did_other_task_rate": other / episodes, "episodes": episodes}
+        for name, rows in (("approached_first", per_episode),
+                           ("failures_approached_first", [r for r in per_episode if not r[k]["success"]])):
+            res[k][name] = {w: sum(r[k]["approached_first"] == w for r in rows) for w in APPROACHED}
     by = res["conflict"]["by_layout_object"] = {}
     for name, flag in (("commanded object", True), ("another object", False)):
         rows = [r for r in per_episode if r["same_object"] == flag]
