@@ -61,11 +61,12 @@ def rollout(policy: Any, env: Any, seed: int, options: dict | None = None,
 
     The policy's sampling noise is drawn from torch's generator seeded with ``seed`` (the caller's
     generator state is put back afterwards): the same checkpoint and seed give the same episode in
-    any process, given the same env history. A reused ManiSkill env is not history-free: PhysX keeps
-    state across resets that ``get_sim_state`` does not hold, so an episode can diverge by which
-    episodes ran before it (``envs.make(..., reconfiguration_freq=1)`` rebuilds the scene at every
-    reset and removes that, at about 0.13 s per reset on the tabletop suite). Before, the noise depended on what the process had drawn earlier (training first or
-    not), and one PushCube checkpoint scored 0.92 in one process and 1.00 in another."""
+    any process, given the same env history. Before, the noise depended on what the process had
+    drawn earlier (training first or not), and one PushCube checkpoint scored 0.92 in one process
+    and 1.00 in another. A reused ManiSkill env is not history-free: PhysX keeps state across
+    resets that ``get_sim_state`` does not hold, so an episode can diverge by which episodes ran
+    before it (``envs.make(..., reconfiguration_freq=1)`` rebuilds the scene at every reset and
+    removes that, at about 0.13 s per reset on the tabletop suite)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return _rollout(policy, env, seed, options, act, frames, instruction)

@@ -336,9 +336,10 @@ class _FirstApproach:
         if self.first is None:
             s = np.asarray(obs["state"], dtype=np.float64)
             tcp = s[self._tcp:self._tcp + 3]
-            near = [n for n, i in self._objects.items() if np.linalg.norm(s[i:i + 3] - tcp) < APPROACH_RADIUS]
-            if near:
-                self.first = min(near, key=lambda n: np.linalg.norm(s[self._objects[n]:self._objects[n] + 3] - tcp))
+            dist = {n: float(np.linalg.norm(s[i:i + 3] - tcp)) for n, i in self._objects.items()}
+            nearest = min(dist, key=dist.get, default=None)
+            if nearest is not None and dist[nearest] < APPROACH_RADIUS:
+                self.first = nearest
         return self._act(obs)
 
 
