@@ -33,6 +33,15 @@ def check_action(action: Any, shape: tuple[int, ...], low: np.ndarray | None = N
     return a
 
 
+def state_slices(layout: list[tuple[str, int]] | None) -> dict[str, tuple[int, int]]:
+    """Each named slice of the flat state as (start, size), in layout order."""
+    slices, start = {}, 0
+    for name, size in layout or []:
+        slices[name] = (start, size)
+        start += size
+    return slices
+
+
 def state_indices(layout: list[tuple[str, int]] | None, patterns: tuple[str, ...], env_id: str = "") -> list[int]:
     """Indices of the flat state covered by the slices whose names match any of ``patterns``
     (shell-style, e.g. ``*vel``). The patterns must match at least one slice between them (one
@@ -47,12 +56,8 @@ def state_indices(layout: list[tuple[str, int]] | None, patterns: tuple[str, ...
     if not any(fnmatch.filter(names, p) for p in patterns):
         raise InvalidOptionError(f"state pattern(s) {list(patterns)} match no slice of {env_id or 'the'} state; "
                                  f"its slices: {names}")
-    out, start = [], 0
-    for name, size in layout:
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            out += range(start, start + size)
-        start += size
-    return out
+    return [i for name, (start, size) in state_slices(layout).items()
+            if any(fnmatch.fnmatchcase(name, p) for p in patterns) for i in range(start, start + size)]
 
 
 class GroundflowEnv(gym.Env):

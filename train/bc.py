@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import policies
 from envs import make as make_env
-from envs import state_indices
+from envs import state_indices, state_slices
 from envs.errors import CheckpointError, GroundflowError, InvalidOptionError
 from policies import PolicyConfig, make_policy
 from policies.config import ImagePool, VisionBackbone
@@ -192,10 +192,7 @@ def _state_relative(specs: tuple[str, ...], data: ChunkData) -> list[tuple[int, 
     if not specs:
         return []
     layout, env_id = _layout(data), data.env_id or ""
-    slices, start = {}, 0  # name -> (start, size)
-    for name, size in layout or []:
-        slices[name] = (start, size)
-        start += size
+    slices = state_slices(layout)
     pairs: list[tuple[int, int]] = []
     for spec in specs:
         pattern, sep, ref = spec.partition(":")

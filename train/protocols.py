@@ -34,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 import envs
+from envs import state_slices
 from envs.errors import InstructionError, InvalidOptionError
 from envs.metrics import wilson
 from envs.perturbations import FAMILIES, EnvWrapper, base_env, check_family, not_applicable, perturb
@@ -318,16 +319,12 @@ class _FirstApproach:
     failure; one that went for another object is a grounding failure, which CIG can act on."""
 
     def __init__(self, env: Any, act: Any):
-        layout = getattr(base_env(env), "state_layout", None) or []
-        offsets, at = {}, 0
-        for name, size in layout:
-            offsets[name] = at
-            at += size
-        if "extra/tcp_pose" not in offsets:
+        slices = state_slices(getattr(base_env(env), "state_layout", None))
+        if "extra/tcp_pose" not in slices:
             raise InvalidOptionError("which object the gripper went for needs 'extra/tcp_pose' in the env's state "
-                                     f"layout; got {[n for n, _ in layout]}")
-        self._tcp = offsets["extra/tcp_pose"]
-        self._objects = {n[len("extra/"):-len("_cube_pose")]: i for n, i in offsets.items()
+                                     f"layout; got {list(slices)}")
+        self._tcp = slices["extra/tcp_pose"][0]
+        self._objects = {n[len("extra/"):-len("_cube_pose")]: i for n, (i, _) in slices.items()
                          if n.startswith("extra/") and n.endswith("_cube_pose")}
         self._act = act
         self.first: str | None = None
