@@ -209,6 +209,11 @@ def test_layout_conflict_separates_following_the_scene_from_following_the_instru
     for k in ("conflict", "in_distribution", "random"):
         assert expert[k]["approached_first"]["commanded"] >= 11, (k, expert[k]["approached_first"])
     assert expert["random"]["success_rate"] >= 0.9
+    # where the commanded cube starts: slot 0 on its own (correlated) layout, any slot on random ones
+    assert set(expert["in_distribution"]["by_commanded_slot"]) == {"0"}
+    slots = expert["random"]["by_commanded_slot"]
+    assert sum(v["episodes"] for v in slots.values()) == 12 and len(slots) >= 2, slots
+    assert sum(v["successes"] for v in slots.values()) == round(12 * expert["random"]["success_rate"])
     other_object = by["another object"]["episodes"]
     assert reader["conflict"]["approached_first"]["layout's"] >= other_object - 1, reader["conflict"]["approached_first"]
     assert sum(reader["conflict"]["failures_approached_first"].values()) == 12 - round(12 * reader["conflict"]["success_rate"])

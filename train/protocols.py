@@ -340,6 +340,14 @@ class _FirstApproach:
         return self._act(obs)
 
 
+def _slot_of(env: Any, obj: str | None) -> int | None:
+    """The slot ``obj`` starts in this episode, where the env lays objects out in slots (tabletop:
+    0 nearest the robot, the commanded cube's slot in every correlated layout); None elsewhere.
+    Why: it splits random-layout results into placements the shortcut data shows often and rarely."""
+    slot_of = getattr(getattr(base_env(env), "raw", None), "slot_of", None)
+    return None if slot_of is None or obj is None else int(slot_of(obj))
+
+
 APPROACHED = ("commanded", "layout's", "another", "none")
 """what the gripper went for first, per episode: the commanded object, the one the conflict layout
 puts first (when that is another), another object, or none"""
@@ -396,7 +404,7 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
                         else "layout's" if k == "conflict" and track.first == _primary(suite.tasks[lt]) else "another")
                 row[k] = {"success": bool(out["success"]), "did_layout_task": did_layout,
                           "did_other_task": out["other_task"] and not did_layout, "completed": out["completed_ever"],
-                          "approached_first": went}
+                          "approached_first": went, "commanded_slot": _slot_of(env, _primary(task))}
             per_episode.append(row)
     finally:
         if own:
@@ -411,6 +419,12 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
         for name, rows in (("approached_first", per_episode),
                            ("failures_approached_first", [r for r in per_episode if not r[k]["success"]])):
             res[k][name] = {w: sum(r[k]["approached_first"] == w for r in rows) for w in APPROACHED}
+        slots = sorted({r[k]["commanded_slot"] for r in per_episode} - {None})
+        res[k]["by_commanded_slot"] = {str(sl): {
+            "successes": sum(r[k]["success"] for r in per_episode if r[k]["commanded_slot"] == sl),
+            "went_for_commanded_first": sum(r[k]["approached_first"] == "commanded"
+                                            for r in per_episode if r[k]["commanded_slot"] == sl),
+            "episodes": sum(r[k]["commanded_slot"] == sl for r in per_episode)} for sl in slots}
     by = res["conflict"]["by_layout_object"] = {}
     for name, flag in (("commanded object", True), ("another object", False)):
         rows = [r for r in per_episode if r["same_object"] == flag]

@@ -123,6 +123,11 @@ class GroundflowTabletopEnv(_TableTask):
         super().__init__(*args, robot_uids=robot_uids, **kwargs)
         _check_cpu_single(self)
 
+    def slot_of(self, cube: str) -> int:
+        """The slot the named cube starts in this episode (0 nearest the robot: where a correlated
+        layout puts the commanded cube)."""
+        return self.slot_cubes.index(CUBES.index(cube))
+
     # ----- scene ------------------------------------------------------------------------------
     def _load_scene(self, options: dict):
         self._build_table()
