@@ -369,6 +369,8 @@ def layout_conflict_eval(policy: Any, env_id: str, episodes: int = 24, seed: int
     Every condition also says which object the gripper went for first (``approached_first``:
     counts over :data:`APPROACHED`, for all episodes and for the failures), so a failure splits into
     going for the wrong object (grounding) and failing at the right one (execution).
+    ``by_commanded_slot`` splits each condition by the slot the commanded object started in (envs
+    with slots: tabletop, 0 nearest the robot, where every correlated layout puts it).
     Episode ``e`` commands ``instructions[e % n]`` on the layout of the suite's tasks other than
     it, in turn. ``env``: reuse an env of ``env_id`` (the caller closes it)."""
     if env_id not in CONFLICT_ENVS:
