@@ -251,6 +251,19 @@ def tiny_run(tmp_path_factory):
     return d, kw
 
 
+def test_same_seed_same_weights_and_the_thread_count_is_recorded(tiny_run, tmp_path):
+    from safetensors.torch import load_file
+    d, kw = tiny_run
+    runs = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        s = train(TrainArgs(steps=2, seed=seed, out=tmp_path / name, **kw))
+        assert s["torch_threads"] == torch.get_num_threads()
+        runs[name] = load_file(tmp_path / name / "ckpt" / "model.safetensors")
+    assert all(torch.equal(runs["a"][k], runs["b"][k]) for k in runs["a"])
+    assert not all(torch.equal(runs["a"][k], runs["c"][k]) for k in runs["a"])  # the seed matters
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["torch_threads"] == torch.get_num_threads()
+
+
 class _Payload:
     def __init__(self, marker: Path):
         self.marker = marker

@@ -378,8 +378,11 @@ def train(args: TrainArgs) -> dict[str, Any]:
             saved_step = step
     bar.close()
     dt = time.time() - t_start
+    # A seed fixes a CPU run bit for bit only at a fixed thread count (1 and 2 threads differ by 1e-4 in the
+    # weights after 200 steps, and by a different policy after 24k), so the summary records it.
     summary.update(steps=step, final_loss=float(np.mean([h["loss"] for h in history[-20:]])) if history else None,
-                   samples_per_s=samples / max(dt, 1e-9), seconds=dt, ckpt=str(out / "ckpt"), history=history)
+                   samples_per_s=samples / max(dt, 1e-9), seconds=dt, ckpt=str(out / "ckpt"),
+                   torch_threads=torch.get_num_threads(), torch_version=torch.__version__, history=history)
     if rank == 0 and args.eval_episodes and not args.eval_every:
         summary["eval"] = _evaluate(ema or policy, data.env_id, args)
     if rank == 0:
