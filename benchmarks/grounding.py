@@ -99,6 +99,8 @@ class Args:
     cig_steps: int = 2000
     """continuation steps from the BC checkpoint (CIG continuation, and bc_continuation: the same
     extra steps without the CIG term, so every continuation row has equal compute)"""
+    cig_weight: float = 1.0
+    """lambda of every CIG method (L = L_BC + lambda L_CIG); give other values their own --runs and --label"""
     cig_early: float = 0.25
     """``..._early`` CIG methods: the term only on samples in the first this fraction of their demo
     (CIGOptions.max_progress; P4 switches at a third)"""
@@ -325,7 +327,7 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
         _, variant, mode, *extra = method.split("_")
         if extra not in ([], ["early"], ["consistent"]):
             raise ValueError(f"unknown CIG method suffix in {method!r}: none, _early or _consistent")
-        cig = CIGOptions(weight=1.0, variant=variant, negatives=3, draws=2, batch=64,
+        cig = CIGOptions(weight=a.cig_weight, variant=variant, negatives=3, draws=2, batch=64,
                          max_progress=a.cig_early if extra == ["early"] else 1.0,
                          demonstrated_radius=a.cig_radius if extra == ["consistent"] else 0.0)
         if mode == "continuation":
@@ -709,6 +711,8 @@ def main() -> None:
     bad = [s for s in a.suites if s not in SUITES]
     if bad:
         raise SystemExit(f"unknown suites {bad}; known: {list(SUITES)}")
+    if not a.cig_weight > 0:
+        raise SystemExit(f"--cig-weight must be > 0 (got {a.cig_weight}); a CIG method without its term is bc")
     res = _load(RESULTS / f"{a.results}.json")
     if a.merge or "--merge" in sys.argv:  # "--merge" alone: rewrite the table and plot from --results
         for item in a.merge:  # STEM, or STEM:SECTION to file a stem's competence under another section

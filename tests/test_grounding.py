@@ -365,3 +365,13 @@ def test_switch_records_where_the_gripper_heads_on_the_kitchen():
     assert follows["toward_new"] and not follows["went_to_old"]
     assert stays["went_to_old"] and not stays["toward_new"]
     assert stays["after_20"][0] < follows["after_20"][0] and follows["after_20"][1] < stays["after_20"][1]
+
+
+def test_grounding_benchmark_refuses_a_cig_weight_that_would_make_cig_bc():
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "grounding.py"
+    r = subprocess.run([sys.executable, str(script), "--cig-weight", "0", "--part", "switch"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--cig-weight must be > 0" in r.stderr and "Traceback" not in r.stderr
