@@ -22,6 +22,7 @@ def test_lists_envs_and_commands(capsys):
     (["train", "--data", "/nonexistent/demos.h5", "--steps", "1"], "does not exist"),
     (["eval", "--ckpt", "/nonexistent/ckpt"], "not a groundflow checkpoint"),
     (["train", "cig", "--data", "/nonexistent/demos.h5"], "--from"),
+    (["train", "--data", "/nonexistent/demos.h5", "--steps", "1", "--cig-weight", "-1"], "--cig-weight must be >= 0"),
 ])
 def test_bad_input_is_one_clear_error(argv, msg, capsys):
     assert main(argv) == 1

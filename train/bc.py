@@ -294,6 +294,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
         raise ValueError(f"batch size {args.batch_size} is not divisible by the {world} data-parallel ranks")
     if not args.data:
         raise ValueError("give at least one dataset with --data")
+    if not args.cig.weight >= 0:  # a negative (or NaN) lambda used to train plain BC without a word
+        raise ValueError(f"--cig-weight must be >= 0 (0: plain BC), got {args.cig.weight}")
     device = _device(args.device, rank)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
