@@ -8,6 +8,9 @@ experts are the reference policies. About a minute and a half on 2 cores.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -249,6 +252,24 @@ def test_counterfactual_actions_read_the_relabeled_states(counterfactuals):
     assert sum(r["per_bin_samples"]) == r["samples"] == 36 and np.isfinite(r["error_new"])
     with pytest.raises(DatasetError, match="no-include-original"):
         load_counterfactual(both)
+
+
+def test_counterfactual_finds_its_demos_from_any_directory(demos, tmp_path, monkeypatch):
+    """relabel records the demos' path as typed (relative to where it ran); diagnose, run from elsewhere,
+    still finds them, and says which paths it tried when they are gone."""
+    from train.diagnose import load_counterfactual
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "cf").mkdir()
+    shutil.copy(demos, work / "data" / "tt.h5")
+    monkeypatch.chdir(work)
+    relabel(RelabelArgs(data=Path("data/tt.h5"), out=Path("cf/cf.h5"), k=1, frames_per_episode=1, horizon=2,
+                        include_original=False, progress=False))
+    monkeypatch.chdir(tmp_path)
+    assert len(load_counterfactual(work / "cf" / "cf.h5")["episodes"]) == 6
+    (work / "data" / "tt.h5").unlink()
+    with pytest.raises(DatasetError, match="relabeled from data/tt.h5, which is missing.*tried"):
+        load_counterfactual(work / "cf" / "cf.h5")
 
 
 @pytest.mark.slow

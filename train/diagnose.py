@@ -83,6 +83,20 @@ def diagnose(policy: Any, data: ChunkData, n: int = 256, bins: int = 5, seed: in
             "samples": int(len(idx)), "instructions": data.instructions, "uncached_instructions": unknown}
 
 
+def _relabel_source(path: Path, rel: dict[str, Any]) -> Path:
+    """The demos a relabeled file was made from. ``from`` is relative to where relabel ran, so also try it
+    relative to the relabeled file and beside it: diagnose then works from any directory."""
+    tried = [Path(rel["from"])]
+    if "from_relative" in rel:
+        tried.append(path.parent / rel["from_relative"])
+    tried.append(path.parent / Path(rel["from"]).name)
+    for src in tried:
+        if src.exists():
+            return src
+    raise DatasetError(f"{path} was relabeled from {rel['from']}, which is missing (its lengths give the progress); "
+                       f"tried {', '.join(str(t) for t in dict.fromkeys(tried))}")
+
+
 def load_counterfactual(path: Path) -> dict[str, Any]:
     """The relabeled continuations of ``path`` with their source state's progress and old instruction."""
     with Dataset(path) as ds:
@@ -91,9 +105,7 @@ def load_counterfactual(path: Path) -> dict[str, Any]:
             raise DatasetError(f"{path}: --counterfactual needs `groundflow relabel --no-include-original` output "
                                "(continuations only, from held-out demos)")
         eps = [ds.episode(i, images=False) for i in range(len(ds))]
-    src = Path(rel["from"])
-    if not src.exists():
-        raise DatasetError(f"{path} was relabeled from {src}, which is missing (its lengths give the progress)")
+    src = _relabel_source(path, rel)
     with Dataset(src) as ds:
         source = {i: ds.episode(i, images=False) for i in sorted({int(e) for e, _, _ in rel["index"]})}
     lengths = {i: len(ep) for i, ep in source.items()}

@@ -29,6 +29,7 @@ task (single-task envs) are refused.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -154,7 +155,9 @@ def relabel(args: RelabelArgs) -> dict[str, Any]:
                     plan.append((i, int(t), int(tid)))
         out_meta = {**meta, "source": "relabel",
                     "instructions": sorted(set(pool) | set(source)),
-                    "relabel": {"from": str(args.data), "k": k, "frames_per_episode": per_ep, "horizon": horizon,
+                    "relabel": {"from": str(args.data),  # as given; from_relative: from the output's folder
+                                "from_relative": os.path.relpath(Path(args.data).resolve(), Path(args.out).resolve().parent),
+                                "k": k, "frames_per_episode": per_ep, "horizon": horizon,
                                 "instructions": pool, "include_original": args.include_original, "seed": args.seed,
                                 "n_original": len(episodes) if args.include_original else 0,
                                 "index": [list(p) for p in plan]}}
