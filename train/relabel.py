@@ -153,11 +153,11 @@ def relabel(args: RelabelArgs) -> dict[str, Any]:
             for t in frames:
                 for tid in rng.choice(cands, size=min(k, len(cands)), replace=False).tolist():
                     plan.append((i, int(t), int(tid)))
-        beside_out = os.path.relpath(Path(args.data).resolve(), Path(args.out).resolve().parent)
+        rel_to_out = os.path.relpath(Path(args.data).resolve(), Path(args.out).resolve().parent)
         out_meta = {**meta, "source": "relabel",
                     "instructions": sorted(set(pool) | set(source)),
                     "relabel": {"from": str(args.data),  # as given; from_relative: from the output's folder
-                                "from_relative": beside_out,
+                                "from_relative": rel_to_out,
                                 "k": k, "frames_per_episode": per_ep, "horizon": horizon,
                                 "instructions": pool, "include_original": args.include_original, "seed": args.seed,
                                 "n_original": len(episodes) if args.include_original else 0,
