@@ -20,7 +20,7 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -287,8 +287,10 @@ def _diverged(loss: torch.Tensor, step: int, batch: dict[str, Any], data: ChunkD
                                  f"{eps} (indices {batch['index'][:8].tolist()}...); {kept}")
 
 
-def train(args: TrainArgs) -> dict[str, Any]:
-    """Train and return a summary (final loss, samples/s, eval results, checkpoint path)."""
+def train(args: TrainArgs, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train and return a summary (final loss, samples/s, eval results, checkpoint path).
+
+    ``on_step(step)`` is called after each step (train/parallel.py's shared progress bar)."""
     rank, world = _dist()
     if args.batch_size % world:
         raise ValueError(f"batch size {args.batch_size} is not divisible by the {world} data-parallel ranks")
@@ -369,6 +371,8 @@ def train(args: TrainArgs) -> dict[str, Any]:
             logger.log(metrics, step)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}")
         bar.update(1)
+        if on_step is not None:
+            on_step(step)
         if rank == 0 and args.eval_every and step % args.eval_every == 0 and args.eval_episodes:
             summary["eval"] = _evaluate(ema or policy, data.env_id, args)
             summary.setdefault("eval_curve", []).append(  # the learning curve in closed loop

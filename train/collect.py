@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import tyro
@@ -59,7 +59,8 @@ class CollectArgs:
     progress: bool = True
 
 
-def collect(args: CollectArgs) -> dict[str, Any]:
+def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write ``args.episodes`` expert episodes; ``on_episode(n)`` is called after the n-th is written."""
     if (args.env is None) == (args.suite is None):
         raise InvalidOptionError("give exactly one of --env or --suite")
     if args.episodes < 1:
@@ -123,6 +124,8 @@ def collect(args: CollectArgs) -> dict[str, Any]:
                 if layout is not None:
                     episode_layouts.append(layout)
                 bar.update(1)
+                if on_episode is not None:
+                    on_episode(written)
             bar.set_postfix(success=f"{successes}/{attempts}")
         if episode_layouts:
             meta["episode_layouts"] = episode_layouts

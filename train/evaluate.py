@@ -108,8 +108,10 @@ def _frame(env: Any, obs: dict) -> np.ndarray:
 
 def evaluate(policy: Any, env_id: str, episodes: int = 20, seed: int = 1000, env_options: dict | None = None,
              instructions: list[str] | None = None, video_dir: Path | None = None, n_videos: int = 2,
-             progress: bool = True, env: Any = None) -> EvalResult:
-    """Evaluate on ``episodes`` seeded episodes; suites cycle their instructions."""
+             progress: bool = True, env: Any = None, on_episode: Callable[[int], None] | None = None) -> EvalResult:
+    """Evaluate on ``episodes`` seeded episodes; suites cycle their instructions.
+
+    ``on_episode(n)`` is called after the n-th episode (train/parallel.py's shared progress bar)."""
     own = env is None
     env = env or envs.make(env_id, **(env_options or {}))
     check_compatible(policy, env)
@@ -136,6 +138,8 @@ def evaluate(policy: Any, env_id: str, episodes: int = 20, seed: int = 1000, env
             row[end] = row.get(end, 0) + 1
         if frames:
             _write_video(video_dir / f"episode_{episode:03d}.mp4", frames)
+        if on_episode is not None:
+            on_episode(episode + 1)
     for stats in res.per_instruction.values():
         stats["success_rate"] = stats["successes"] / stats["episodes"]
         stats["ci95"] = list(wilson(stats["successes"], stats["episodes"]))
