@@ -8,7 +8,7 @@ default (``realtime=False``): episode ``i`` uses env seed ``seed + i`` and sampl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -24,11 +24,17 @@ def evaluate_via_server(env_id: str, server: str | Any = "127.0.0.1:8000", n_epi
                         env_options: dict | None = None, max_steps: int | None = None, realtime: bool = False,
                         rate_hz: float | None = None, rtc: bool = False, ensemble: float | None = None,
                         timeout: float = 10.0, record: str | None = None, overwrite: bool = False,
-                        safety: SafetyConfig | None = None, robot_options: dict | None = None) -> dict[str, Any]:
+                        safety: SafetyConfig | None = None, robot_options: dict | None = None,
+                        instructions: Sequence[str] | None = None) -> dict[str, Any]:
     """Run ``n_episodes`` of ``env_id`` with the policy served at ``server`` (``HOST:PORT`` or a
-    connected client); returns the success rate with its 95% CI and per-episode results."""
+    connected client); returns the success rate with its 95% CI and per-episode results.
+
+    ``instructions`` (suites): episode i commands ``instructions[i % len]``, as ``train.evaluate`` cycles
+    them; without it every episode gets the suite's default task, which tests one instruction only."""
     if n_episodes < 1:
         raise ValueError(f"n_episodes must be >= 1, got {n_episodes}")
+    if instructions is not None and (isinstance(instructions, str) or not instructions):
+        raise ValueError(f"instructions must be a non-empty list of strings, got {instructions!r}")
     robot = SimRobot(env_id, env_options=env_options, seed=seed, realtime=realtime, **(robot_options or {}))
     robot.connect()
     own_client = isinstance(server, str)
@@ -44,13 +50,15 @@ def evaluate_via_server(env_id: str, server: str | Any = "127.0.0.1:8000", n_epi
     rtts: list[float] = []
     try:
         for i in range(n_episodes):
-            robot.reset(seed + i)
+            commanded = {"instruction": instructions[i % len(instructions)]} if instructions else None
+            first = robot.reset(seed + i, options=commanded)
             cfg = LoopConfig(rate_hz=rate_hz or robot.spec.control_rate_hz,
                              max_steps=max_steps or int(getattr(robot.env, "max_episode_steps", 200)),
                              realtime=realtime, rtc=rtc, ensemble=ensemble, seed=seed + i)
             loop = ControlLoop(robot, client, cfg, SafetyLayer(robot, safety, dt=1.0 / cfg.rate_hz), recorder)
             res = loop.run_episode(seed=seed + i, task_id=int(robot.reset_info.get("task_id", 0)))
-            episodes.append({"seed": seed + i, "success": res.success, "steps": res.steps, "reason": res.reason,
+            episodes.append({"seed": seed + i, "instruction": first.get("instruction"), "success": res.success,
+                             "steps": res.steps, "reason": res.reason,
                              "interventions": sum(res.interventions.values()), "holds": len(res.holds)})
             if "rtt_p50_ms" in res.timing:
                 rtts.append(res.timing["rtt_p50_ms"])

@@ -31,3 +31,28 @@ def test_trained_checkpoint_served_to_a_sim_robot(tmp_path):
     assert len(ep) == 20 and ep.action.shape == (20, 8)
     # the robot moved: joint positions changed over the episode
     assert np.abs(ep.state[-1, :7] - ep.state[0, :7]).max() > 1e-3
+
+
+def test_server_evaluation_commands_each_instruction_in_turn(tmp_path):
+    """Without ``instructions`` every suite episode got the default task: 3 of 3 'red cube left' in the
+    demo, a test of one instruction. The robot must now be told the commanded one, and a typo named."""
+    import pytest
+    from dataset import Dataset as D
+    instrs = ["push the red cube to the left goal", "push the blue cube to the right goal"]
+    data = tmp_path / "tabletop.h5"
+    collect(CollectArgs(suite="tabletop", episodes=2, out=data, seed=0, layout="random", instructions=tuple(instrs),
+                        progress=False))
+    train(TrainArgs(data=(data,), steps=5, batch_size=8, out=tmp_path / "run", wandb="disabled", progress=False,
+                    warmup_steps=1))
+    with PolicyServer(policies.load(tmp_path / "run" / "ckpt"), port=0) as srv:
+        res = evaluate_via_server("maniskill/TabletopSuite-v1", srv.address, n_episodes=3, seed=5, max_steps=3,
+                                  env_options={"layout": "random"}, instructions=instrs,
+                                  record=str(tmp_path / "deployed.h5"))
+        assert [e["instruction"] for e in res["episodes"]] == [instrs[0], instrs[1], instrs[0]]
+        rec = D(tmp_path / "deployed.h5")
+        assert [rec.episode(i).instruction for i in range(3)] == [instrs[0], instrs[1], instrs[0]]
+        with pytest.raises(Exception, match="push the red cube to the moon"):
+            evaluate_via_server("maniskill/TabletopSuite-v1", srv.address, n_episodes=1, max_steps=3,
+                                instructions=["push the red cube to the moon"])
+        with pytest.raises(ValueError, match="non-empty list"):
+            evaluate_via_server("maniskill/TabletopSuite-v1", srv.address, n_episodes=1, instructions=instrs[0])
