@@ -2,18 +2,19 @@
 
 1. collect expert demos on the ManiSkill tabletop suite where the layout names the task 90% of the
    time (shortcut data: the scene mostly predicts the task, the setting where policies stop
-   listening);
+   listening), held-out demos for the diagnostics, and obstacle-free reaches;
 2. train a tiny flow VLA by behaviour cloning with the ``multitask`` recipe (early fusion, centred
-   language, acting every step: train/recipes.py), and with joint CIG the same for twice the steps;
-3. train the same policy with Counterfactual Instruction Grounding from the first step (joint CIG,
-   the configuration the grounding benchmark found best; ``--cig-mode continuation`` fine-tunes
-   the BC checkpoint instead);
-4. evaluate BC, BC for twice the steps (joint CIG's compute) and CIG where the layout no longer
-   predicts the task, plus their diagnostics;
-5. collision avoidance: a flow policy trained on obstacle-free reaches, evaluated among
-   obstacles without guidance and with Coupled Guidance;
-6. drive a simulated robot through the policy server (websocket, safety layer, recording);
-7. print the results table (also written to OUT/results.json).
+   language, acting every step: train/recipes.py), the same for twice the steps (joint CIG's
+   compute), and the same with Counterfactual Instruction Grounding from the first step (joint CIG,
+   the configuration the grounding benchmark found best; ``--cig-mode continuation`` fine-tunes the
+   BC checkpoint instead); and a flow policy on the reaches;
+3. evaluate BC, BC 2x and CIG where the layout no longer predicts the task, plus their diagnostics;
+4. collision avoidance: the reach policy among obstacles without guidance and with Coupled Guidance;
+5. drive a simulated robot through the policy server (websocket, safety layer, recording);
+then print the results table (also written to OUT/results.json).
+
+Independent collections, trainings and evaluations run side by side in ``--workers`` processes (one
+torch thread each; train/parallel.py), with the same results as one after another.
 
 Bigger settings are flags (``make demo ARGS="--bc-steps 20000 --size base"`` on a GPU workstation).
 """
@@ -24,7 +25,8 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -43,6 +45,7 @@ from train.data import ChunkData
 from train.diagnose import diagnose, plot
 from train.evaluate import evaluate
 from train.guided_eval import evaluate_collision
+from train.parallel import Job, Report, run_jobs
 from train.recipes import recipe_args
 
 
@@ -77,7 +80,11 @@ class DemoArgs:
     collision_steps: int = 2000
     collision_episodes: int = 12
     guidance_scale: float = 10.0
-    server_episodes: int = 3
+    server_episodes: int = 6
+    """episodes through the policy server; episode i commands instruction i (cycled)"""
+    workers: int = 2
+    """processes for the independent collections, trainings and evaluations (1: one after another); each
+    uses one torch thread, so 2 fill a 2-core machine"""
     fresh: bool = False
     """delete OUT first (default: reuse collected data and finished stages)"""
 
@@ -87,8 +94,43 @@ def _stage(name: str) -> float:
     return time.time()
 
 
+def _collect_job(runs: list[CollectArgs], report: Report) -> list[dict]:
+    """Collect into each ``runs[i].out`` in turn, reporting episodes over all of them."""
+    done, out = 0, []
+    for c in runs:
+        out.append(collect(replace(c, progress=False), on_episode=lambda n, d=done: report(d + n)))
+        done += c.episodes
+    return out
+
+
+def _train_job(targs: TrainArgs, report: Report) -> dict:
+    summary = train(replace(targs, progress=False), on_step=report)
+    summary.pop("history", None)
+    return summary
+
+
+def _eval_job(run_dir: Path, held: Path, args: DemoArgs, report: Report) -> tuple[dict, dict]:
+    """Success on random and correlated layouts, and the grounding diagnostics on held-out demos."""
+    pol = policies.load(run_dir / "ckpt")
+    torch.manual_seed(args.seed)  # the flow sampler's noise: the same checkpoints give the same table
+    n = args.eval_episodes
+    ev = evaluate(pol, "maniskill/TabletopSuite-v1", n, seed=args.seed + 90_000, env_options={"layout": "random"},
+                  instructions=list(args.instructions), progress=False, on_episode=report).to_dict()
+    ev_in = evaluate(pol, "maniskill/TabletopSuite-v1", n, seed=args.seed + 95_000,
+                     env_options={"layout": "correlated"}, instructions=list(args.instructions), progress=False,
+                     on_episode=lambda k: report(n + k)).to_dict()
+    diag = diagnose(pol, ChunkData(held, pol.config.horizon), n=128, seed=args.seed)
+    row = {"success_rate": ev["success_rate"], "ci95": ev["ci95"], "in_distribution_success": ev_in["success_rate"],
+           "did_other_task_rate": ev["did_other_task_rate"],
+           "identification_accuracy": diag["identification_accuracy"],
+           "action_sensitivity": diag["action_sensitivity"]}
+    return row, diag
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(DemoArgs, args=argv)
+    if args.workers < 1:
+        raise SystemExit(f"groundflow demo: error: --workers must be >= 1, got {args.workers}")
 
     if args.fresh:
         shutil.rmtree(args.out, ignore_errors=True)
@@ -96,73 +138,62 @@ def main(argv: list[str] | None = None) -> dict:
     res: dict = {"args": {k: str(v) for k, v in asdict(args).items()}, "stages": {}}
     t_all = time.time()
 
-    started = _stage(f"1/6 collect tabletop demos (the layout names the task with probability {args.layout_rho})")
-    data = args.out / f"tabletop_rho{args.layout_rho}.h5"
-    held = args.out / "tabletop_heldout.h5"
-    if not data.exists():
-        collect(CollectArgs(suite="tabletop", episodes=args.demos, out=data, seed=args.seed, layout="correlated",
-                            instructions=args.instructions, env_options={"layout_rho": args.layout_rho}))
-    if not held.exists():
-        collect(CollectArgs(suite="tabletop", episodes=24, out=held, seed=args.seed + 50_000, layout="random",
-                            instructions=args.instructions))
+    started = _stage(f"1/5 collect demos: tabletop, where the layout names the task with probability {args.layout_rho}, "
+                     "held-out tabletop, and obstacle-free reaches")
+    data, held, cdata = args.out / f"tabletop_rho{args.layout_rho}.h5", args.out / "tabletop_heldout.h5", args.out / "reach.h5"
+    tabletop = CollectArgs(suite="tabletop", episodes=args.demos, out=data, seed=args.seed, layout="correlated",
+                           instructions=args.instructions, env_options={"layout_rho": args.layout_rho})
+    others = [CollectArgs(suite="tabletop", episodes=24, out=held, seed=args.seed + 50_000, layout="random",
+                          instructions=args.instructions),
+              # straight reaches without obstacles, with DART noise (so the policy can recover after a detour)
+              CollectArgs(env="maniskill/CollisionAvoidance-v1", episodes=args.collision_demos, out=cdata,
+                          seed=args.seed, dart_noise=0.3)]
+    groups = [[c for c in g if not c.out.exists()] for g in ([tabletop], others)]
+    jobs = [Job(f"collect {', '.join(c.out.name for c in g)}", partial(_collect_job, g), sum(c.episodes for c in g))
+            for g in groups if g]
+    if jobs:
+        run_jobs(jobs, args.workers, desc="collect (episodes)")
     res["stages"]["collect_s"] = time.time() - started
 
     joint = args.cig_mode == "joint"
-    started = _stage("2/6 behaviour cloning: tiny flow VLA, multitask recipe" +
-                     (", and the same for twice the steps (joint CIG's compute)" if joint else ""))
-    bc_dir = args.out / "bc"
-    bc_runs = [("BC", bc_dir, args.bc_steps)] + ([("BC 2x", args.out / "bc_2x", 2 * args.bc_steps)] if joint else [])
-    for _, run_dir, steps in bc_runs:
-        if not (run_dir / "ckpt").exists():
-            shutil.rmtree(run_dir, ignore_errors=True)
-            train(recipe_args("multitask", data=(data,), policy="flow", size=args.size, steps=steps, out=run_dir,
-                              seed=args.seed, wandb="disabled", save_every=10**9))
-    res["stages"]["bc_s"] = time.time() - started
-
-    started = _stage("3/6 CIG: " + ("the same recipe with the CIG term from the first step (joint)" if joint
-                                    else "fine-tuning the BC checkpoint (continuation)"))
-    cig_dir = args.out / ("cig_joint" if joint else "cig")
-    if not (cig_dir / "ckpt").exists():
+    started = _stage("2/5 train the tiny flow VLA (multitask recipe): BC" +
+                     (", BC for twice the steps (joint CIG's compute), BC + the CIG term from the first step (joint CIG)"
+                      if joint else ", then CIG fine-tuning the BC checkpoint (continuation)") +
+                     "; and a flow policy on the reaches")
+    bc_dir, cig_dir, cdir = args.out / "bc", args.out / ("cig_joint" if joint else "cig"), args.out / "reach"
+    bc_runs = [("BC", bc_dir)] + ([("BC 2x", args.out / "bc_2x")] if joint else [])
+    common = dict(data=(data,), policy="flow", size=args.size, seed=args.seed, wandb="disabled", save_every=10**9)
+    cig = CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=3, draws=2, batch=64,
+                     max_progress=args.cig_max_progress)
+    plan = [("BC 2x", recipe_args("multitask", steps=2 * args.bc_steps, out=args.out / "bc_2x", **common)) if joint else None,
+            ("BC+CIG", recipe_args("multitask", steps=args.bc_steps, out=cig_dir, cig=cig, **common)) if joint else None,
+            ("BC", recipe_args("multitask", steps=args.bc_steps, out=bc_dir, **common)),
+            ("reach", TrainArgs(data=(cdata,), policy="flow", size=args.size, steps=args.collision_steps, horizon=8,
+                                n_exec=4, out=cdir, seed=args.seed, wandb="disabled"))]
+    jobs = []
+    for name, targs in [p for p in plan if p is not None]:
+        if not (targs.out / "ckpt").exists():
+            shutil.rmtree(targs.out, ignore_errors=True)
+            jobs.append(Job(f"train {name} ({targs.steps} steps)", partial(_train_job, targs), targs.steps))
+    if jobs:
+        run_jobs(jobs, args.workers, desc="train (steps)")
+    if not joint and not (cig_dir / "ckpt").exists():  # continuation needs the BC checkpoint first
         shutil.rmtree(cig_dir, ignore_errors=True)
-        cig = CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=3, draws=2, batch=64,
-                         max_progress=args.cig_max_progress)
-        common = dict(data=(data,), policy="flow", out=cig_dir, seed=args.seed, wandb="disabled", save_every=10**9,
-                      cig=cig)
-        train(recipe_args("multitask", size=args.size, steps=args.bc_steps, **common) if joint else
-              recipe_args("multitask", init_from=bc_dir / "ckpt", steps=args.cig_steps, lr=1e-4, warmup_steps=20, **common))
-    res["stages"]["cig_s"] = time.time() - started
+        targs = recipe_args("multitask", init_from=bc_dir / "ckpt", steps=args.cig_steps, lr=1e-4, warmup_steps=20,
+                            out=cig_dir, cig=cig, **{k: v for k, v in common.items() if k != "size"})
+        run_jobs([Job(f"CIG continuation ({args.cig_steps} steps)", partial(_train_job, targs), targs.steps)], 1,
+                 desc="CIG (steps)")
+    res["stages"]["train_s"] = time.time() - started
 
-    started = _stage("4/6 evaluate where the layout no longer predicts the task")
-    rows = {}
-    diag = {}
-    for name, run_dir in [(n, d) for n, d, _ in bc_runs] + [("BC+CIG", cig_dir)]:
-        pol = policies.load(run_dir / "ckpt")
-        torch.manual_seed(args.seed)  # the flow sampler's noise: the same checkpoints give the same table
-        ev = evaluate(pol, "maniskill/TabletopSuite-v1", args.eval_episodes, seed=args.seed + 90_000,
-                      env_options={"layout": "random"}, instructions=list(args.instructions)).to_dict()
-        ev_in = evaluate(pol, "maniskill/TabletopSuite-v1", args.eval_episodes, seed=args.seed + 95_000,
-                         env_options={"layout": "correlated"}, instructions=list(args.instructions)).to_dict()
-        hd = ChunkData(held, pol.config.horizon)
-        diag[name] = diagnose(pol, hd, n=128, seed=args.seed)
-        rows[name] = {"success_rate": ev["success_rate"], "ci95": ev["ci95"],
-                      "in_distribution_success": ev_in["success_rate"],
-                      "did_other_task_rate": ev["did_other_task_rate"],
-                      "identification_accuracy": diag[name]["identification_accuracy"],
-                      "action_sensitivity": diag[name]["action_sensitivity"]}
-    plot(diag, args.out / "collapse.png")
-    res["tabletop"] = rows
+    started = _stage("3/5 evaluate where the layout no longer predicts the task (and where it does)")
+    evals = bc_runs + [("BC+CIG", cig_dir)]
+    out = run_jobs([Job(f"evaluate {name}", partial(_eval_job, run_dir, held, args), 2 * args.eval_episodes)
+                    for name, run_dir in evals], args.workers, desc="evaluate (episodes)")
+    res["tabletop"] = {name: row for (name, _), (row, _) in zip(evals, out)}
+    plot({name: d for (name, _), (_, d) in zip(evals, out)}, args.out / "collapse.png")
     res["stages"]["eval_s"] = time.time() - started
 
-    started = _stage("5/6 collision avoidance: unguided vs Coupled Guidance")
-    cdata = args.out / "reach.h5"
-    if not cdata.exists():
-        collect(CollectArgs(env="maniskill/CollisionAvoidance-v1", episodes=args.collision_demos, out=cdata, seed=args.seed,
-                            dart_noise=0.3))
-    cdir = args.out / "reach"
-    if not (cdir / "ckpt").exists():
-        shutil.rmtree(cdir, ignore_errors=True)
-        train(TrainArgs(data=(cdata,), policy="flow", size=args.size, steps=args.collision_steps, horizon=8, n_exec=4,
-                        out=cdir, seed=args.seed, wandb="disabled"))
+    started = _stage("4/5 collision avoidance: unguided vs Coupled Guidance")
     pol = policies.load(cdir / "ckpt")
     res["collision"] = {
         "no obstacle": evaluate_collision(pol, "none", 0.0, args.collision_episodes, obstacles="none"),
@@ -171,12 +202,13 @@ def main(argv: list[str] | None = None) -> dict:
     }
     res["stages"]["collision_s"] = time.time() - started
 
-    started = _stage("6/6 drive a simulated robot through the policy server")
+    started = _stage("5/5 drive a simulated robot through the policy server")
     pol = policies.load(cig_dir / "ckpt")
     with PolicyServer(pol, host="127.0.0.1", port=0) as server:
         res["server"] = evaluate_via_server("maniskill/TabletopSuite-v1", server.address, args.server_episodes,
                                             seed=args.seed + 70_000, env_options={"layout": "random"},
-                                            record=str(args.out / "deployed.h5"), overwrite=True)
+                                            record=str(args.out / "deployed.h5"), overwrite=True,
+                                            instructions=list(args.instructions))
     res["server"].pop("episodes", None)
     res["stages"]["server_s"] = time.time() - started
     res["total_s"] = time.time() - t_all
