@@ -210,15 +210,19 @@ def deploy(argv: list[str]) -> None:
                          ensemble=args.ensemble, status=args.status, seed=args.seed, instruction=args.instruction,
                          max_hold_s=max(2.0, args.timeout))
         loop = ControlLoop(robot, client, cfg, safety, recorder)
+        # a simulated suite must be given the task too, or success is judged on its default task
+        suite_env = getattr(getattr(robot, "env", None), "suite", None) is not None
+        commanded = {"instruction": args.instruction} if args.instruction and suite_env else None
         results = []
         with safety.signal_stop():
             if not args.lockstep:
                 safety.start_watchdog()
             try:
                 for i in range(args.episodes):
-                    if hasattr(robot, "reset") and i > 0:
-                        robot.reset(args.seed + i)
-                    res = loop.run_episode(seed=args.seed + i)
+                    if hasattr(robot, "reset") and (i > 0 or commanded):
+                        robot.reset(args.seed + i, options=commanded)
+                    res = loop.run_episode(seed=args.seed + i,
+                                           task_id=int(getattr(robot, "reset_info", {}).get("task_id", 0)))
                     results.append(res.summary())
                     print(json.dumps(results[-1]), flush=True)
                     if res.reason in ("stop_signal", "driver_error"):

@@ -1,6 +1,7 @@
 """A checkpoint trained here, served over websocket, driving a simulated robot."""
 
 import numpy as np
+import pytest
 import torch
 
 import policies
@@ -33,26 +34,47 @@ def test_trained_checkpoint_served_to_a_sim_robot(tmp_path):
     assert np.abs(ep.state[-1, :7] - ep.state[0, :7]).max() > 1e-3
 
 
-def test_server_evaluation_commands_each_instruction_in_turn(tmp_path):
+INSTRS = ["push the red cube to the left goal", "push the blue cube to the right goal"]
+
+
+@pytest.fixture(scope="module")
+def tabletop_policy(tmp_path_factory):
+    """An AR policy (its action bins span the demos, so chunks stay inside the bounds the deploy client
+    enforces) briefly trained on two tabletop instructions; what it does is not tested."""
+    tmp = tmp_path_factory.mktemp("tabletop")
+    collect(CollectArgs(suite="tabletop", episodes=2, out=tmp / "tt.h5", seed=0, layout="random",
+                        instructions=tuple(INSTRS), progress=False))
+    train(TrainArgs(data=(tmp / "tt.h5",), policy="ar", steps=20, batch_size=16, out=tmp / "run", wandb="disabled",
+                    progress=False, warmup_steps=1))
+    return tmp / "run" / "ckpt"
+
+
+def test_server_evaluation_commands_each_instruction_in_turn(tabletop_policy, tmp_path):
     """Without ``instructions`` every suite episode got the default task: 3 of 3 'red cube left' in the
     demo, a test of one instruction. The robot must now be told the commanded one, and a typo named."""
-    import pytest
-    from dataset import Dataset as D
-    instrs = ["push the red cube to the left goal", "push the blue cube to the right goal"]
-    data = tmp_path / "tabletop.h5"
-    collect(CollectArgs(suite="tabletop", episodes=2, out=data, seed=0, layout="random", instructions=tuple(instrs),
-                        progress=False))
-    train(TrainArgs(data=(data,), steps=5, batch_size=8, out=tmp_path / "run", wandb="disabled", progress=False,
-                    warmup_steps=1))
-    with PolicyServer(policies.load(tmp_path / "run" / "ckpt"), port=0) as srv:
+    with PolicyServer(policies.load(tabletop_policy), port=0) as srv:
         res = evaluate_via_server("maniskill/TabletopSuite-v1", srv.address, n_episodes=3, seed=5, max_steps=3,
-                                  env_options={"layout": "random"}, instructions=instrs,
+                                  env_options={"layout": "random"}, instructions=INSTRS,
                                   record=str(tmp_path / "deployed.h5"))
-        assert [e["instruction"] for e in res["episodes"]] == [instrs[0], instrs[1], instrs[0]]
-        rec = D(tmp_path / "deployed.h5")
-        assert [rec.episode(i).instruction for i in range(3)] == [instrs[0], instrs[1], instrs[0]]
+        assert [e["instruction"] for e in res["episodes"]] == [INSTRS[0], INSTRS[1], INSTRS[0]]
+        rec = Dataset(tmp_path / "deployed.h5")
+        assert [rec.episode(i).instruction for i in range(3)] == [INSTRS[0], INSTRS[1], INSTRS[0]]
         with pytest.raises(Exception, match="push the red cube to the moon"):
             evaluate_via_server("maniskill/TabletopSuite-v1", srv.address, n_episodes=1, max_steps=3,
                                 instructions=["push the red cube to the moon"])
         with pytest.raises(ValueError, match="non-empty list"):
-            evaluate_via_server("maniskill/TabletopSuite-v1", srv.address, n_episodes=1, instructions=instrs[0])
+            evaluate_via_server("maniskill/TabletopSuite-v1", srv.address, n_episodes=1, instructions=INSTRS[0])
+
+
+def test_deploy_to_a_simulated_suite_gives_the_env_the_instruction(tabletop_policy, tmp_path, capsys):
+    """``groundflow deploy --instruction`` used to send the words to the server while the simulated suite
+    kept its default task (red cube, left goal), so success was judged on a task nobody commanded."""
+    from deploy.commands import deploy
+    with PolicyServer(policies.load(tabletop_policy), port=0) as srv:
+        deploy(["--robot", "sim", "--env", "maniskill/TabletopSuite-v1", "--lockstep", "--server", srv.address,
+                "--episodes", "2", "--max-steps", "3", "--instruction", INSTRS[1], "--record",
+                str(tmp_path / "cli.h5"), "--no-status"])
+    rec = Dataset(tmp_path / "cli.h5")
+    blue_right = 5  # the suite's task id of INSTRS[1]
+    assert [rec.episode(i).task_id for i in range(2)] == [blue_right, blue_right]
+    assert [rec.episode(i).instruction for i in range(2)] == [INSTRS[1], INSTRS[1]]
