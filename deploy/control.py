@@ -273,13 +273,21 @@ class ControlLoop:
                            ens=TemporalEnsembler(cfg.ensemble) if cfg.ensemble is not None else None,
                            fetcher=_Fetcher(self.source) if cfg.realtime else None)
         episode.obs = self._observe()
-        reply = self.source.infer(episode.obs, seed=self._seed(0))
+        try:
+            reply = self.source.infer(episode.obs, seed=self._seed(0))
+        except PolicyUnavailableError:
+            raise
+        except DeployError as e:  # refused (a chunk far outside the bounds, a server-side error): the robot
+            # is at rest, so hold and ask again each tick, as mid-episode, instead of ending the whole run
+            self.safety.report_policy_failure(f"{e}")
+            episode.failing, reply = f"{type(e).__name__}: {e}", None
         if self.recorder is not None:
             self.recorder.start_episode(episode.obs["instruction"], task_id=task_id, seed=seed)
-        episode.rtts.append(reply.timing.get("rtt_ms", 0.0))
-        episode.infers.append(reply.timing.get("infer_ms", 0.0))
-        episode.lat_steps = self._lat_steps(episode.rtts[-1] / 1e3)
-        self._adopt(episode.plan, episode.ens, reply.actions, 0, 0)
+        if reply is not None:
+            episode.rtts.append(reply.timing.get("rtt_ms", 0.0))
+            episode.infers.append(reply.timing.get("infer_ms", 0.0))
+            episode.lat_steps = self._lat_steps(episode.rtts[-1] / 1e3)
+            self._adopt(episode.plan, episode.ens, reply.actions, 0, 0)
         episode.t_next = time.perf_counter()
         return episode
 

@@ -319,6 +319,31 @@ def test_nan_and_far_out_chunks_from_the_server_are_held_not_executed(robot):
     assert np.all(np.isfinite(res.actions)) and np.all(res.actions[:, 0] <= lockstep.spec.action_high[0])
 
 
+def test_a_refused_first_chunk_is_asked_again_not_the_end_of_the_run(robot):
+    """`groundflow deploy` of the demo's tabletop policy ended the whole run when an episode's first
+    chunk overshot the far bounds (-1.43 on a [-1, 1] delta); mid-episode the same chunk is held."""
+    from deploy.protocol import widen_bounds
+
+    class FirstFar(JointTargetPolicy):
+        def predict_action_chunk(self, obs, **kw):
+            chunk = super().predict_action_chunk(obs)
+            if self.calls == 1:
+                chunk[:, 0] = 10.0
+            return chunk
+
+    lockstep = SimRobot(robot.env)
+    lockstep.connect()
+    q0 = lockstep.hold_action()[:7]
+    bounds = widen_bounds(lockstep.spec.action_low, lockstep.spec.action_high, 0.1)
+    with PolicyServer(FirstFar(35, 8, q0 + 0.2, gripper=1.0, horizon=4, n_exec=4), port=0) as srv, \
+            PolicyClient(port=srv.port, action_bounds=bounds) as client:
+        res = ControlLoop(lockstep, client, LoopConfig(rate_hz=20, max_steps=12, realtime=False)).run_episode()
+    assert res.reason == "max_steps" and res.steps == 12 and res.holds == []  # asked again within tick 0
+    failed = [e["detail"] for e in res.events if e["detail"].startswith("policy request failed")]
+    assert len(failed) == 1 and "far outside" in failed[0]
+    assert np.all(res.actions[:, 0] <= lockstep.spec.action_high[0]) and res.actions[-1, 0] > q0[0]
+
+
 def test_temporal_ensembling_through_the_loop_requests_every_tick(robot):
     lockstep = SimRobot(robot.env)
     lockstep.connect()
