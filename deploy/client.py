@@ -47,6 +47,16 @@ def parse_address(address: str, default_port: int = 8000) -> tuple[str, int]:
     return host, p
 
 
+def robot_client(host: str, port: int, spec: Any, far_margin: float, timeout: float = 10.0) -> "PolicyClient":
+    """The client every robot-facing path uses (``groundflow deploy``, ``evaluate_via_server``): the
+    handshake expects the robot's dims and cameras, and a chunk beyond the robot's limits widened by the
+    safety layer's ``far_margin`` is refused whole (the loop holds and asks again), so what a simulated
+    evaluation measures is what the deploy command does."""
+    return PolicyClient(host, port, timeout=timeout,
+                        expect={"action_dim": spec.action_dim, "state_dim": spec.state_dim,
+                                "cameras": list(spec.cameras)},
+                        action_bounds=protocol.widen_bounds(spec.action_low, spec.action_high, far_margin))
+
 class PolicyClient:
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 5.0, *,
                  expect: dict[str, Any] | None = None, max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,

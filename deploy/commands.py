@@ -19,8 +19,7 @@ from typing import Literal
 import tyro
 
 import policies
-from deploy import protocol
-from deploy.client import PolicyClient, parse_address
+from deploy.client import parse_address, robot_client
 from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
 from deploy.errors import DeployError
 from deploy.franka import FrankaRobot
@@ -189,12 +188,8 @@ def deploy(argv: list[str]) -> None:
     try:
         robot.connect()
         spec = robot.spec
-        # a chunk beyond what the safety layer calls far out of limits is garbage: refuse it whole
-        client = PolicyClient(host, port, timeout=args.timeout,
-                              expect={"action_dim": spec.action_dim, "state_dim": spec.state_dim,
-                                      "cameras": list(spec.cameras)},
-                              action_bounds=protocol.widen_bounds(spec.action_low, spec.action_high,
-                                                                  SafetyConfig.far_margin))
+        # a chunk beyond what the safety layer calls far out of limits is refused whole (deploy/client.py)
+        client = robot_client(host, port, spec, SafetyConfig.far_margin, timeout=args.timeout)
         ws = args.workspace
         fk = getattr(robot, "forward_kinematics", None) if ws else None
         if ws and fk is None:

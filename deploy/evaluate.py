@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from envs.metrics import wilson as wilson_ci
-from deploy.client import PolicyClient, parse_address
+from deploy.client import parse_address, robot_client
 from deploy.control import ControlLoop, LoopConfig
 from deploy.recording import Recorder
 from deploy.safety import SafetyConfig, SafetyLayer
@@ -41,9 +41,7 @@ def evaluate_via_server(env_id: str, server: str | Any = "127.0.0.1:8000", n_epi
     client = server
     if own_client:
         host, port = parse_address(server)
-        client = PolicyClient(host, port, timeout=timeout,
-                              expect={"action_dim": robot.spec.action_dim, "state_dim": robot.spec.state_dim,
-                                      "cameras": list(robot.spec.cameras)})
+        client = robot_client(host, port, robot.spec, (safety or SafetyConfig()).far_margin, timeout=timeout)
     recorder = Recorder(record, robot.spec, env_id=env_id, overwrite=overwrite,
                         meta={"server": getattr(client, "uri", "local")}) if record else None
     episodes: list[dict[str, Any]] = []

@@ -344,6 +344,30 @@ def test_a_refused_first_chunk_is_asked_again_not_the_end_of_the_run(robot):
     assert np.all(res.actions[:, 0] <= lockstep.spec.action_high[0]) and res.actions[-1, 0] > q0[0]
 
 
+def test_server_evaluation_refuses_far_chunks_as_the_deploy_command_does(tmp_path):
+    """evaluate_via_server built its client without the far bounds `groundflow deploy` uses, so a far
+    chunk was executed (each far action held by the safety layer) instead of refused and re-requested:
+    the simulated evaluation measured a different loop from the one that drives the arm."""
+    from deploy.evaluate import evaluate_via_server
+
+    class FarEveryOther(JointTargetPolicy):
+        def predict_action_chunk(self, obs, **kw):
+            chunk = super().predict_action_chunk(obs)
+            if self.calls % 2 == 0:
+                chunk[:, 0] = 10.0
+            return chunk
+
+    probe = SimRobot("maniskill/PushCube-v1")
+    probe.connect()
+    q0 = probe.hold_action()[:7]
+    probe.close()
+    with PolicyServer(FarEveryOther(35, 8, q0 + 0.2, gripper=1.0, horizon=4, n_exec=4), port=0) as srv:
+        evaluate_via_server("maniskill/PushCube-v1", srv.address, n_episodes=1, seed=0, max_steps=12,
+                            record=str(tmp_path / "rec.h5"))
+    counts = json.loads((tmp_path / "rec.h5.episodes.jsonl").read_text().splitlines()[0])["counts"]
+    assert counts["far_out_of_limits"] == 0 and counts["watchdog"] > 0
+
+
 def test_temporal_ensembling_through_the_loop_requests_every_tick(robot):
     lockstep = SimRobot(robot.env)
     lockstep.connect()
