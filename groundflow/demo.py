@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -38,6 +39,7 @@ import tyro  # noqa: E402
 import policies  # noqa: E402
 from deploy.evaluate import evaluate_via_server
 from deploy.server import PolicyServer
+from envs.errors import GroundflowError
 from train.bc import TrainArgs, train
 from train.cig import CIGOptions
 from train.collect import CollectArgs, collect
@@ -131,6 +133,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(DemoArgs, args=argv)
     if args.workers < 1:
         raise SystemExit(f"groundflow demo: error: --workers must be >= 1, got {args.workers}")
+    if len(set(args.instructions)) < 2:
+        raise SystemExit(f"groundflow demo: error: --instructions needs at least two distinct instructions (CIG contrasts "
+                         f"them), got {list(args.instructions)}")
 
     if args.fresh:
         shutil.rmtree(args.out, ignore_errors=True)
@@ -163,7 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
     bc_dir, cig_dir, cdir = args.out / "bc", args.out / ("cig_joint" if joint else "cig"), args.out / "reach"
     bc_runs = [("BC", bc_dir)] + ([("BC 2x", args.out / "bc_2x")] if joint else [])
     common = dict(data=(data,), policy="flow", size=args.size, seed=args.seed, wandb="disabled", save_every=10**9)
-    cig = CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=3, draws=2, batch=64,
+    # three counterfactual instructions per sample, or as many as there are with fewer instructions
+    cig = CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=min(3, len(args.instructions) - 1),
+                     draws=2, batch=64,
                      max_progress=args.cig_max_progress)
     plan = [("BC 2x", recipe_args("multitask", steps=2 * args.bc_steps, out=args.out / "bc_2x", **common)) if joint else None,
             ("BC+CIG", recipe_args("multitask", steps=args.bc_steps, out=cig_dir, cig=cig, **common)) if joint else None,
@@ -241,5 +248,18 @@ def print_table(res: dict) -> None:
     print(f"Total {res['total_s'] / 60:.1f} min; stages (s): " + ", ".join(f"{k} {v:.0f}" for k, v in res["stages"].items()))
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """``python -m groundflow.demo``: bad input and failed jobs end in one line naming the problem."""
+    try:
+        main(argv)
+    except (GroundflowError, ValueError, FileExistsError, FileNotFoundError) as e:
+        print(f"groundflow demo: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("groundflow demo: interrupted (finished stages are kept; run again to resume)", file=sys.stderr)
+        return 130
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

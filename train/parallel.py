@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
+from envs.errors import GroundflowError
+
 Report = Callable[[int], None]
 """a job calls ``report(n)`` with the units (steps, episodes) it has done so far"""
 
@@ -29,8 +31,16 @@ class Job:
     """the work it reports against (its steps); the bar's total is the sum over jobs"""
 
 
-class JobFailed(RuntimeError):
-    """A job raised; the message names it and ends with the worker's traceback."""
+class JobFailed(GroundflowError):
+    """A job raised: the message names the job and its error in one line; ``traceback`` is the worker's."""
+
+    def __init__(self, message: str, traceback: str = ""):
+        super().__init__(message)
+        self.traceback = traceback
+
+
+_EXPECTED = (GroundflowError, ValueError, FileExistsError, FileNotFoundError)
+"""bad input, named by the error itself: no traceback needed (as groundflow/cli.py treats them)"""
 
 
 def _worker(i: int, fn: Callable[[Report], Any], q: Any) -> None:
@@ -45,7 +55,8 @@ def _worker(i: int, fn: Callable[[Report], Any], q: Any) -> None:
         # plain pickle: the queue's torch-aware pickler would send tensors as shared memory that dies with this process
         q.put(("done", i, pickle.dumps(fn(report))))
     except BaseException as e:  # noqa: BLE001 - forwarded to the parent, which raises it
-        q.put(("error", i, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        q.put(("error", i, (f"{type(e).__name__}: {' '.join(str(e).splitlines())}", traceback.format_exc(),
+                            isinstance(e, _EXPECTED))))
 
 
 def run_jobs(jobs: list[Job], workers: int, desc: str = "jobs") -> list[Any]:
@@ -101,7 +112,10 @@ def _run_spawned(jobs: list[Job], workers: int, advance: Callable[[int, int], No
                 running.pop(i).join()
                 bar.write(f"  done: {jobs[i].name}")
             else:
-                raise JobFailed(f"{jobs[i].name} failed: {payload}")
+                error, tb, expected = payload
+                if not expected:  # a bug, not bad input: show where
+                    bar.write(tb)
+                raise JobFailed(f"{jobs[i].name} failed: {error}", tb)
     finally:
         for p in running.values():  # on failure or Ctrl-C: stop the rest
             if p.is_alive():
