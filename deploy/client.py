@@ -57,6 +57,7 @@ def robot_client(host: str, port: int, spec: Any, far_margin: float, timeout: fl
                                 "cameras": list(spec.cameras)},
                         action_bounds=protocol.widen_bounds(spec.action_low, spec.action_high, far_margin))
 
+
 class PolicyClient:
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 5.0, *,
                  expect: dict[str, Any] | None = None, max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,

@@ -5,6 +5,10 @@ class GroundflowError(Exception):
     """Base class of every error groundflow raises on purpose."""
 
 
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (GroundflowError, ValueError, FileExistsError, FileNotFoundError)
+"""errors that name the problem themselves: commands report them in one line, without a traceback"""
+
+
 class UnknownEnvError(GroundflowError, KeyError):
     def __str__(self) -> str:  # KeyError quotes its message; we want it plain
         return str(self.args[0]) if self.args else ""

@@ -24,7 +24,7 @@ from typing import Callable
 # chunk took 35 ms with 1 thread and 1.3 s with 2 on a loaded 2-core machine).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from envs.errors import GroundflowError  # noqa: E402
+from envs.errors import BAD_INPUT_ERRORS  # noqa: E402
 
 USAGE = __doc__
 
@@ -90,14 +90,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groundflow: unknown command {argv[0]!r}; valid commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     name, rest = found
+    return run_command(name, COMMANDS[name].load(), rest)
+
+
+def run_command(name: str, fn: Callable[[list[str]], object], argv: list[str], interrupted_hint: str = "") -> int:
+    """``fn(argv)`` as ``groundflow NAME``: bad input ends in one line naming it (exit 1), Ctrl+C in 130."""
     try:
-        COMMANDS[name].load()(rest)
-    except (GroundflowError, ValueError, FileExistsError, FileNotFoundError) as e:
+        fn(argv)
+    except BAD_INPUT_ERRORS as e:
         msg = " ".join(str(e).splitlines())  # one line, even for errors that wrap a multi-line message
         print(f"groundflow {name}: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"groundflow {name}: interrupted", file=sys.stderr)
+        print(f"groundflow {name}: interrupted{interrupted_hint}", file=sys.stderr)
         return 130
     return 0
 

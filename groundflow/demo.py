@@ -39,7 +39,8 @@ import tyro  # noqa: E402
 import policies  # noqa: E402
 from deploy.evaluate import evaluate_via_server
 from deploy.server import PolicyServer
-from envs.errors import GroundflowError
+from envs.errors import InvalidOptionError
+from groundflow.cli import run_command
 from train.bc import TrainArgs, train
 from train.cig import CIGOptions
 from train.collect import CollectArgs, collect
@@ -132,10 +133,10 @@ def _eval_job(run_dir: Path, held: Path, args: DemoArgs, report: Report) -> tupl
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(DemoArgs, args=argv)
     if args.workers < 1:
-        raise SystemExit(f"groundflow demo: error: --workers must be >= 1, got {args.workers}")
+        raise InvalidOptionError(f"--workers must be >= 1, got {args.workers}")
     if len(set(args.instructions)) < 2:
-        raise SystemExit(f"groundflow demo: error: --instructions needs at least two distinct instructions (CIG contrasts "
-                         f"them), got {list(args.instructions)}")
+        raise InvalidOptionError(f"--instructions needs at least two distinct instructions (CIG contrasts them), got "
+                                 f"{list(args.instructions)}")
 
     if args.fresh:
         shutil.rmtree(args.out, ignore_errors=True)
@@ -166,19 +167,19 @@ def main(argv: list[str] | None = None) -> dict:
                       if joint else ", then CIG fine-tuning the BC checkpoint (continuation)") +
                      "; and a flow policy on the reaches")
     bc_dir, cig_dir, cdir = args.out / "bc", args.out / ("cig_joint" if joint else "cig"), args.out / "reach"
-    bc_runs = [("BC", bc_dir)] + ([("BC 2x", args.out / "bc_2x")] if joint else [])
+    rows = {"BC": bc_dir, **({"BC 2x": args.out / "bc_2x"} if joint else {}), "BC+CIG": cig_dir}  # the table's rows
     common = dict(data=(data,), policy="flow", size=args.size, seed=args.seed, wandb="disabled", save_every=10**9)
     # three counterfactual instructions per sample, or as many as there are with fewer instructions
     cig = CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=min(3, len(args.instructions) - 1),
-                     draws=2, batch=64,
-                     max_progress=args.cig_max_progress)
-    plan = [("BC 2x", recipe_args("multitask", steps=2 * args.bc_steps, out=args.out / "bc_2x", **common)) if joint else None,
-            ("BC+CIG", recipe_args("multitask", steps=args.bc_steps, out=cig_dir, cig=cig, **common)) if joint else None,
-            ("BC", recipe_args("multitask", steps=args.bc_steps, out=bc_dir, **common)),
-            ("reach", TrainArgs(data=(cdata,), policy="flow", size=args.size, steps=args.collision_steps, horizon=8,
-                                n_exec=4, out=cdir, seed=args.seed, wandb="disabled"))]
+                     draws=2, batch=64, max_progress=args.cig_max_progress)
+    # the longest first, so the two workers finish together
+    plan = ([("BC 2x", recipe_args("multitask", steps=2 * args.bc_steps, out=rows["BC 2x"], **common)),
+             ("BC+CIG", recipe_args("multitask", steps=args.bc_steps, out=cig_dir, cig=cig, **common))] if joint else [])
+    plan += [("BC", recipe_args("multitask", steps=args.bc_steps, out=bc_dir, **common)),
+             ("reach", TrainArgs(data=(cdata,), policy="flow", size=args.size, steps=args.collision_steps, horizon=8,
+                                 n_exec=4, out=cdir, seed=args.seed, wandb="disabled"))]
     jobs = []
-    for name, targs in [p for p in plan if p is not None]:
+    for name, targs in plan:
         if not (targs.out / "ckpt").exists():
             shutil.rmtree(targs.out, ignore_errors=True)
             jobs.append(Job(f"train {name} ({targs.steps} steps)", partial(_train_job, targs), targs.steps))
@@ -193,11 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
     res["stages"]["train_s"] = time.time() - started
 
     started = _stage("3/5 evaluate where the layout no longer predicts the task (and where it does)")
-    evals = bc_runs + [("BC+CIG", cig_dir)]
-    out = run_jobs([Job(f"evaluate {name}", partial(_eval_job, run_dir, held, args), 2 * args.eval_episodes)
-                    for name, run_dir in evals], args.workers, desc="evaluate (episodes)")
-    res["tabletop"] = {name: row for (name, _), (row, _) in zip(evals, out)}
-    plot({name: d for (name, _), (_, d) in zip(evals, out)}, args.out / "collapse.png")
+    out = dict(zip(rows, run_jobs([Job(f"evaluate {name}", partial(_eval_job, run_dir, held, args), 2 * args.eval_episodes)
+                                   for name, run_dir in rows.items()], args.workers, desc="evaluate (episodes)")))
+    res["tabletop"] = {name: row for name, (row, _) in out.items()}
+    plot({name: diag for name, (_, diag) in out.items()}, args.out / "collapse.png")
     res["stages"]["eval_s"] = time.time() - started
 
     started = _stage("4/5 collision avoidance: unguided vs Coupled Guidance")
@@ -250,15 +250,8 @@ def print_table(res: dict) -> None:
 
 def cli(argv: list[str] | None = None) -> int:
     """``python -m groundflow.demo``: bad input and failed jobs end in one line naming the problem."""
-    try:
-        main(argv)
-    except (GroundflowError, ValueError, FileExistsError, FileNotFoundError) as e:
-        print(f"groundflow demo: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("groundflow demo: interrupted (finished stages are kept; run again to resume)", file=sys.stderr)
-        return 130
-    return 0
+    return run_command("demo", main, sys.argv[1:] if argv is None else argv,
+                       interrupted_hint=" (finished stages are kept; run again to resume)")
 
 
 if __name__ == "__main__":

@@ -35,3 +35,5 @@ def test_demo_bad_input_ends_in_one_line_naming_it(tmp_path, capsys):
     assert code == 1 and "Traceback" not in err
     assert re.search(r"groundflow demo: error: collect \S+\.h5.* failed: InstructionError", err)  # either collect job
     assert "'push the red cube to the moon' is not in the suite" in err
+    assert cli(["--out", str(tmp_path / "bad"), "--workers", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "groundflow demo: error: --workers must be >= 1, got 0"

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from envs.errors import GroundflowError
+from envs.errors import BAD_INPUT_ERRORS, GroundflowError
 
 Report = Callable[[int], None]
 """a job calls ``report(n)`` with the units (steps, episodes) it has done so far"""
@@ -39,10 +39,6 @@ class JobFailed(GroundflowError):
         self.traceback = traceback
 
 
-_EXPECTED = (GroundflowError, ValueError, FileExistsError, FileNotFoundError)
-"""bad input, named by the error itself: no traceback needed (as groundflow/cli.py treats them)"""
-
-
 def _worker(i: int, fn: Callable[[Report], Any], q: Any) -> None:
     last = [-1]
 
@@ -56,7 +52,7 @@ def _worker(i: int, fn: Callable[[Report], Any], q: Any) -> None:
         q.put(("done", i, pickle.dumps(fn(report))))
     except BaseException as e:  # noqa: BLE001 - forwarded to the parent, which raises it
         q.put(("error", i, (f"{type(e).__name__}: {' '.join(str(e).splitlines())}", traceback.format_exc(),
-                            isinstance(e, _EXPECTED))))
+                            isinstance(e, BAD_INPUT_ERRORS))))
 
 
 def run_jobs(jobs: list[Job], workers: int, desc: str = "jobs") -> list[Any]:
