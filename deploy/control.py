@@ -279,8 +279,8 @@ class ControlLoop:
             raise
         except DeployError as e:  # refused (a chunk far outside the bounds, a server-side error): the robot
             # is at rest, so hold and ask again each tick, as mid-episode, instead of ending the whole run
-            self.safety.report_policy_failure(f"{e}")
-            episode.failing, reply = f"{type(e).__name__}: {e}", None
+            self._request_failed(episode, e)
+            reply = None
         if self.recorder is not None:
             self.recorder.start_episode(episode.obs["instruction"], task_id=task_id, seed=seed)
         if reply is not None:
@@ -355,8 +355,12 @@ class ControlLoop:
                 self._adopt(plan, ens, reply.actions, step, step)
                 episode.failing = None
             except DeployError as e:
-                self.safety.report_policy_failure(f"{e}")
-                episode.failing = f"{type(e).__name__}: {e}"
+                self._request_failed(episode, e)
+
+    def _request_failed(self, episode: _Episode, err: DeployError) -> None:
+        """A synchronous chunk request failed: count it, keep the plan, and ask again next tick."""
+        self.safety.report_policy_failure(f"{err}")
+        episode.failing = f"{type(err).__name__}: {err}"
 
     def _take_request_error(self, episode: _Episode) -> None:
         """Take the background request's error, if any: a lost connection marks the policy lost;

@@ -54,7 +54,7 @@ def evaluate_via_server(env_id: str, server: str | Any = "127.0.0.1:8000", n_epi
                              max_steps=max_steps or int(getattr(robot.env, "max_episode_steps", 200)),
                              realtime=realtime, rtc=rtc, ensemble=ensemble, seed=seed + i)
             loop = ControlLoop(robot, client, cfg, SafetyLayer(robot, safety, dt=1.0 / cfg.rate_hz), recorder)
-            res = loop.run_episode(seed=seed + i, task_id=int(robot.reset_info.get("task_id", 0)))
+            res = loop.run_episode(seed=seed + i, task_id=robot.task_id)
             episodes.append({"seed": seed + i, "instruction": first.get("instruction"), "success": res.success,
                              "steps": res.steps, "reason": res.reason,
                              "interventions": sum(res.interventions.values()), "holds": len(res.holds)})

@@ -91,6 +91,11 @@ class SimRobot:
             self.env.close()
 
     # ----- episodes (sim only) --------------------------------------------------------------
+    @property
+    def task_id(self) -> int:
+        """The suite task the last reset set up (0 for a single-task env): what recordings file the episode under."""
+        return int(self.reset_info.get("task_id", 0))
+
     def reset(self, seed: int | None = None, options: dict | None = None) -> Obs:
         """Start a new episode; returns the first (noisy, delayed) observation."""
         check_connected(self)
