@@ -3,6 +3,11 @@
     client = PolicyClient("127.0.0.1", 8000, timeout=2.0, expect={"action_dim": 8, "state_dim": 35})
     reply = client.infer(obs)          # reply.actions (H, A), reply.timing {"rtt_ms", "infer_ms", ...}
 
+Images go as raw uint8 arrays by default (the fastest on loopback); ``image_encoding="png"``
+(lossless) or ``"jpeg"`` (lossy, ``jpeg_quality``) sends them as compressed files, for slow links.
+A server that does not announce the encoding (older servers announce none: raw only) is refused at
+connect. ``reply.timing["encode_ms"]`` is the client's encoding time, outside ``rtt_ms``.
+
 The handshake checks both ways: the client compares the server's metadata with ``expect`` and
 the server compares the client's hello with its policy; either refuses with a message naming
 both sides. ``healthy`` turns False as soon as the connection drops (the websocket's reader
@@ -10,7 +15,9 @@ thread sees the close), which the control loop's watchdog reads every tick.
 
 Every chunk received must be finite and inside the action bounds the server announced, and
 inside ``action_bounds`` (the robot's action space, widened as the caller sees fit) when given;
-anything else raises ``ProtocolError`` and never becomes a plan.
+whatever the bounds, it must have the announced action dimension, at most the announced horizon
+of rows (``MAX_CHUNK_ROWS`` where none is announced) and no entry beyond ``MAX_ACTION_MAGNITUDE``.
+Anything else raises ``ProtocolError`` and never becomes a plan.
 """
 
 from __future__ import annotations
@@ -26,7 +33,16 @@ import numpy as np
 from deploy import protocol
 from deploy.errors import HandshakeError, PolicyUnavailableError, ProtocolError, ServerError
 from deploy.inference import infer_chunk, policy_metadata
+from envs.errors import InvalidOptionError
 from policies.rtc import RTCConfig
+
+
+MAX_CHUNK_ROWS = 1024
+"""the most rows a reply chunk may have where the server announces no horizon, and the largest
+horizon a server may announce (a 100,000-row chunk is garbage, not a plan)"""
+MAX_ACTION_MAGNITUDE = 1e6
+"""no action entry (joint position, velocity, gripper command in env units) is this large: beyond
+it a chunk is refused even when neither the server nor the caller gives bounds"""
 
 
 @dataclass
@@ -47,12 +63,14 @@ def parse_address(address: str, default_port: int = 8000) -> tuple[str, int]:
     return host, p
 
 
-def robot_client(host: str, port: int, spec: Any, far_margin: float, timeout: float = 10.0) -> "PolicyClient":
+def robot_client(host: str, port: int, spec: Any, far_margin: float, timeout: float = 10.0, *,
+                 image_encoding: str = "raw", jpeg_quality: int = 90) -> "PolicyClient":
     """The client every robot-facing path uses (``groundflow deploy``, ``evaluate_via_server``): the
     handshake expects the robot's dims and cameras, and a chunk beyond the robot's limits widened by the
     safety layer's ``far_margin`` is refused whole (the loop holds and asks again), so what a simulated
-    evaluation measures is what the deploy command does."""
-    return PolicyClient(host, port, timeout=timeout,
+    evaluation measures is what the deploy command does. ``image_encoding``/``jpeg_quality``: how camera
+    images cross the wire (``PolicyClient``)."""
+    return PolicyClient(host, port, timeout=timeout, image_encoding=image_encoding, jpeg_quality=jpeg_quality,
                         expect={"action_dim": spec.action_dim, "state_dim": spec.state_dim,
                                 "cameras": list(spec.cameras)},
                         action_bounds=protocol.widen_bounds(spec.action_low, spec.action_high, far_margin))
@@ -61,7 +79,14 @@ def robot_client(host: str, port: int, spec: Any, far_margin: float, timeout: fl
 class PolicyClient:
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, timeout: float = 5.0, *,
                  expect: dict[str, Any] | None = None, max_message_bytes: int = protocol.MAX_MESSAGE_BYTES,
-                 connect: bool = True, action_bounds: tuple[Any, Any] | None = None):
+                 connect: bool = True, action_bounds: tuple[Any, Any] | None = None,
+                 image_encoding: str = "raw", jpeg_quality: int = 90):
+        if image_encoding not in protocol.IMAGE_ENCODINGS:
+            raise InvalidOptionError(f"image_encoding must be one of {list(protocol.IMAGE_ENCODINGS)}, "
+                                     f"got {image_encoding!r}")
+        if isinstance(jpeg_quality, bool) or not isinstance(jpeg_quality, int) or not 1 <= jpeg_quality <= 100:
+            raise InvalidOptionError(f"jpeg_quality must be an integer in [1, 100], got {jpeg_quality!r}")
+        self.image_encoding, self.jpeg_quality = image_encoding, jpeg_quality
         self.host, self.port, self.timeout = host, int(port), float(timeout)
         self.expect = dict(expect or {})
         self.max_message_bytes = int(max_message_bytes)
@@ -135,7 +160,17 @@ class PolicyClient:
         if cams is not None and not set(meta.get("cameras", [])) <= set(cams):
             problems.append(f"cameras: server's policy needs {sorted(meta.get('cameras', []))}, "
                             f"this client provides {sorted(cams)}")
+        accepted = meta.get("image_encodings") or ["raw"]  # servers before image encodings take raw arrays only
+        if not isinstance(accepted, list) or self.image_encoding not in accepted:
+            problems.append(f"image_encoding: the server accepts {str(accepted)[:80]}, this client asks for "
+                            f"{self.image_encoding!r}")
         n = meta.get("action_dim")
+        for key, top in (("action_dim", None), ("horizon", MAX_CHUNK_ROWS)):
+            v = meta.get(key)
+            if key == "horizon" and v is None:
+                continue  # not announced: replies are capped at MAX_CHUNK_ROWS
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or (top is not None and v > top):
+                problems.append(f"{key} must be an integer in [1, {top or 'inf'}], got {str(v)[:40]}")
         for key in ("action_low", "action_high"):
             b = meta.get(key)
             if b is not None and (not isinstance(b, list) or len(b) != n
@@ -177,18 +212,19 @@ class PolicyClient:
     def infer(self, obs: dict[str, Any], *, prefix: np.ndarray | None = None, frozen: int = 0,
               seed: int | None = None) -> ChunkReply:
         """Send one observation, return the chunk. ``prefix``/``frozen`` ask for RTC inpainting."""
-        msg: dict[str, Any] = {"type": "infer", "obs": _wire_obs(obs)}
+        t0 = time.perf_counter()
+        msg: dict[str, Any] = {"type": "infer", "obs": _wire_obs(obs, self.image_encoding, self.jpeg_quality)}
+        encode_ms = (time.perf_counter() - t0) * 1e3
         if prefix is not None:
             msg["prefix"] = np.asarray(prefix, np.float32)
             msg["frozen"] = int(frozen)
         if seed is not None:
             msg["seed"] = int(seed)
         reply, rtt = self._request(msg)
-        actions = protocol.check_chunk(reply.get("actions"), self.metadata["action_dim"], self.server_bounds)
-        if self.action_bounds is not None:
-            actions = protocol.check_chunk(actions, self.metadata["action_dim"], self.action_bounds)
+        actions = check_reply_chunk(reply.get("actions"), self.metadata, self.server_bounds, self.action_bounds)
         timing = {k: float(v) for k, v in (reply.get("timing") or {}).items() if isinstance(v, (int, float))}
         timing["rtt_ms"] = rtt * 1e3
+        timing["encode_ms"] = encode_ms
         timing["overhead_ms"] = timing["rtt_ms"] - timing.get("infer_ms", 0.0)
         return ChunkReply(actions, timing)
 
@@ -231,6 +267,30 @@ class PolicyClient:
         return reply, rtt
 
 
+def check_reply_chunk(actions: Any, meta: dict[str, Any], *bounds: tuple[Any, Any] | None) -> np.ndarray:
+    """What ``PolicyClient.infer`` accepts from the wire, whatever the server checked: a finite
+    (rows, action_dim) array with 1 <= rows <= the announced horizon (``MAX_CHUNK_ROWS`` where none
+    is announced), inside each of ``bounds`` given, and no entry beyond ``MAX_ACTION_MAGNITUDE`` even
+    where no bounds are known (a server announcing none, a bare client)."""
+    action_dim = meta["action_dim"]
+    a = protocol.check_chunk(actions, action_dim)
+    horizon = meta.get("horizon") or MAX_CHUNK_ROWS
+    if a.shape[0] > horizon:
+        said = (f"the server announced a horizon of {horizon}" if meta.get("horizon")
+                else f"the limit is {MAX_CHUNK_ROWS} (the server announced no horizon)")
+        raise ProtocolError(f"reply action chunk has {a.shape[0]} rows; {said}")
+    for b in bounds:
+        if b is not None:
+            a = protocol.check_chunk(a, action_dim, b)
+    big = np.abs(a) > MAX_ACTION_MAGNITUDE
+    if big.any():
+        d = int(np.flatnonzero(big.any(0))[0])
+        raise ProtocolError(f"action chunk is far outside any plausible action: dim {d} reaches "
+                            f"{float(a[:, d][big[:, d]][0]):.4g}, beyond +-{MAX_ACTION_MAGNITUDE:g} "
+                            f"(dims {np.flatnonzero(big.any(0)).tolist()} out)")
+    return a
+
+
 def _announced_bounds(meta: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
     """The chunk bounds in a server's metadata (None for policies without a trained range)."""
     lo, hi = meta.get("action_low"), meta.get("action_high")
@@ -239,10 +299,10 @@ def _announced_bounds(meta: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | N
     return np.asarray(lo, np.float64), np.asarray(hi, np.float64)
 
 
-def _wire_obs(obs: dict[str, Any]) -> dict[str, Any]:
+def _wire_obs(obs: dict[str, Any], image_encoding: str = "raw", jpeg_quality: int = 90) -> dict[str, Any]:
     out: dict[str, Any] = {"state": np.asarray(obs["state"], np.float32), "instruction": obs.get("instruction", "")}
     if obs.get("images"):
-        out["images"] = {k: np.ascontiguousarray(v) for k, v in obs["images"].items()}
+        out["images"] = {k: protocol.encode_image(v, image_encoding, jpeg_quality) for k, v in obs["images"].items()}
     return out
 
 

@@ -4,6 +4,7 @@
     groundflow deploy --robot sim --env maniskill/PushCube-v1 --server 127.0.0.1:8000 --rate 20
     groundflow deploy --robot franka --robot-host 172.16.0.2 --server 10.0.0.5:8000 --record runs/rec.h5
     groundflow deploy --robot sim --lockstep --episodes 20     (evaluation through the server)
+    groundflow deploy --robot ur --robot-host 10.0.0.2 --camera wrist=0@128x128@30 --camera front=realsense
 
 ``serve(argv)`` and ``deploy(argv)`` parse with tyro; the command table in groundflow/cli.py names them.
 """
@@ -19,6 +20,7 @@ from typing import Literal
 import tyro
 
 import policies
+from deploy.cameras import CameraRig, parse_cameras
 from deploy.client import parse_address, robot_client
 from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
 from deploy.errors import DeployError
@@ -101,6 +103,10 @@ class DeployArgs:
     """replace an existing --record file"""
     timeout: float = 2.0
     """policy request timeout (s)"""
+    image_encoding: Literal["raw", "png", "jpeg"] = "raw"
+    """camera images on the wire: raw (fastest on loopback), png (lossless, ~2x smaller) or jpeg (lossy, ~5-7x smaller at q90)"""
+    jpeg_quality: int = 90
+    """--image-encoding jpeg: quality 1-100 (higher: more bytes, closer to the camera frame)"""
     watchdog_s: float = 0.25
     """hold when no command was sent for this long (stalled loop)"""
     velocity_scale: float = 1.0
@@ -111,6 +117,12 @@ class DeployArgs:
     """xmin ymin zmin xmax ymax zmax of the TCP (franka)"""
     relative_dynamics: float = 0.2
     """franka: relative dynamics factor"""
+    sim_cameras: tuple[str, ...] = ()
+    """--robot sim: cameras the simulated robot renders into its observations (a pixel policy needs them)"""
+    sim_image_size: int = 128
+    """--robot sim: side of the rendered --sim-cameras images in pixels"""
+    camera: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
+    """NAME=SOURCE[@WxH[@FPS]]: a camera added to observations (SOURCE: device index, URL, video, realsense[:SERIAL])"""
     status: bool = True
     """live status line on stderr"""
     seed: int = 0
@@ -158,9 +170,17 @@ def _stop_on_sigterm() -> None:
 
 
 def make_robot(args: DeployArgs, stack: list):
-    """The robot for ``args`` (and, with --franky-sim, the simulator it talks to)."""
+    """The robot for ``args`` (and, with --franky-sim, the simulator it talks to), with its --camera sources."""
+    cameras = parse_cameras(args.camera)  # a bad spec fails before any driver or simulator starts
+    driver = _make_driver(args, stack)
+    return CameraRig(driver, cameras) if cameras else driver
+
+
+def _make_driver(args: DeployArgs, stack: list):
     if args.robot == "sim":
         opts = {"control_mode": args.control_mode} if args.control_mode else {}
+        if args.sim_cameras:
+            opts.update(cameras=tuple(args.sim_cameras), image_size=args.sim_image_size)
         return SimRobot(args.env, env_options=opts, seed=args.seed, latency_s=args.latency_ms / 1e3,
                         obs_noise=args.obs_noise, action_delay=args.action_delay, realtime=not args.lockstep)
     if args.robot == "franka":
@@ -181,6 +201,8 @@ def deploy(argv: list[str]) -> None:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
     if args.episodes < 1:
         raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
+    if not 1 <= args.jpeg_quality <= 100:
+        raise InvalidOptionError(f"--jpeg-quality must be in [1, 100], got {args.jpeg_quality}")
     host, port = parse_address(args.server)
     stack: list = []
     robot = make_robot(args, stack)
@@ -189,7 +211,8 @@ def deploy(argv: list[str]) -> None:
         robot.connect()
         spec = robot.spec
         # a chunk beyond what the safety layer calls far out of limits is refused whole (deploy/client.py)
-        client = robot_client(host, port, spec, SafetyConfig.far_margin, timeout=args.timeout)
+        client = robot_client(host, port, spec, SafetyConfig.far_margin, timeout=args.timeout,
+                              image_encoding=args.image_encoding, jpeg_quality=args.jpeg_quality)
         ws = args.workspace
         fk = getattr(robot, "forward_kinematics", None) if ws else None
         if ws and fk is None:

@@ -12,7 +12,10 @@ Clients cannot grow the server or stall each other: at most ``max_connections`` 
 next one gets a ``busy`` error), a connection idle for ``idle_timeout_s`` is closed, instructions
 are capped in length, a policy with a vocabulary serves only its checkpoint's instructions unless
 ``paraphrases`` > 0 (then at most that many others are kept, never written to disk), and new
-instructions are encoded outside the inference lock. Every chunk sent is finite and inside the
+instructions are encoded outside the inference lock. Images may come PNG- or JPEG-encoded (the
+formats in ``image_encodings``, announced in the metadata); they are decoded, header checked first,
+where observations are validated (``protocol.check_observation``), so a hostile image is a
+``bad_request`` like any other. Every chunk sent is finite and inside the
 policy's trained action range widened by ``action_margin``; anything else is ``inference_failed``.
 
 Loopback (127.0.0.1) is the default: serving on another interface must be asked for.
@@ -62,7 +65,12 @@ class PolicyServer:
     def __init__(self, policy: Any, host: str = "127.0.0.1", port: int = 8000, *,
                  max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, rtc: RTCConfig | None = None,
                  hello_timeout_s: float = 10.0, idle_timeout_s: float | None = 60.0, max_connections: int = 16,
-                 paraphrases: int = 0, action_margin: float = protocol.ACTION_MARGIN):
+                 paraphrases: int = 0, action_margin: float = protocol.ACTION_MARGIN,
+                 image_encodings: tuple[str, ...] = protocol.IMAGE_ENCODINGS):
+        image_encodings = tuple(image_encodings)
+        if "raw" not in image_encodings or not set(image_encodings) <= set(protocol.IMAGE_ENCODINGS):
+            raise InvalidOptionError(f"image_encodings must include 'raw' and be among "
+                                     f"{list(protocol.IMAGE_ENCODINGS)}, got {list(image_encodings)}")
         if max_connections < 1 or paraphrases < 0 or not action_margin >= 0:
             raise InvalidOptionError(f"need max_connections >= 1, paraphrases >= 0 and action_margin >= 0, got "
                                      f"{max_connections}, {paraphrases}, {action_margin}")
@@ -73,6 +81,8 @@ class PolicyServer:
         self.max_message_bytes = int(max_message_bytes)
         self.rtc_config = rtc or RTCConfig()
         self.metadata = policy_metadata(policy, self.max_message_bytes, action_margin)
+        self.image_encodings = image_encodings
+        self.metadata["image_encodings"] = list(image_encodings)  # a client asking for another is refused
         self.rtc = self.metadata["rtc"]
         self.bounds = action_bounds(policy, action_margin)
         self.hello_timeout_s = hello_timeout_s
@@ -215,8 +225,10 @@ class PolicyServer:
                 return {"type": "reset_ok", "id": req_id}
             if kind != "infer":
                 raise ProtocolError(f"unknown message type {kind!r}; valid: 'infer', 'reset'")
+            # encoded images are decoded here, each at most as many pixels as a raw one within the limit
             obs = protocol.check_observation(msg.get("obs"), self.metadata["state_dim"],
-                                             tuple(self.metadata["cameras"]))
+                                             tuple(self.metadata["cameras"]), image_encodings=self.image_encodings,
+                                             max_image_pixels=self.max_message_bytes // 3)
             prefix = msg.get("prefix")
             frozen = msg.get("frozen", 0)
             seed = msg.get("seed")

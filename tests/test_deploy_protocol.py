@@ -291,6 +291,39 @@ def test_client_refuses_chunks_that_are_not_finite_or_outside_the_bounds(tiny_ck
             PolicyClient(port=srv.port, action_bounds=(np.zeros(3), np.ones(3)))
 
 
+def test_bare_client_checks_rows_dims_and_magnitude_without_any_bounds():
+    """A server that announces no bounds (a scripted policy) and a client given none: before, a 1e30
+    chunk and a 100,000-row chunk were accepted as plans."""
+    f32 = np.float32
+    with LyingServer(JointTargetPolicy(STATE, ACTION, np.zeros(7)), port=0) as srv, PolicyClient(port=srv.port) as c:
+        assert c.metadata["action_low"] is None and c.metadata["horizon"] == 16 and c.action_bounds is None
+        good = c.infer(_obs()).actions
+        for garbage, match in [(np.full((16, ACTION), 1e30, f32), r"any plausible action: dim 0 reaches 1e\+30"),
+                               (np.where(np.arange(ACTION) == 5, -2e6, good).astype(f32), "dim 5 reaches -2e"),
+                               (np.zeros((100_000, ACTION), f32), "100000 rows; the server announced a horizon of 16"),
+                               (np.zeros((17, ACTION), f32), "17 rows"),
+                               (np.zeros((0, ACTION), f32), r"\(H, 8\) array"),
+                               (np.zeros((16, ACTION + 1), f32), r"\(H, 8\) array, got \(16, 9\)"),
+                               (np.zeros((16, ACTION, 1), f32), r"\(H, 8\) array"),
+                               (np.full((16, ACTION), np.inf, f32), "not finite")]:
+            srv.garbage = garbage
+            with pytest.raises(ProtocolError, match=match):
+                c.infer(_obs())
+        srv.garbage = np.full((4, ACTION), 1e5, f32)  # a short chunk of large but plausible values is a plan
+        np.testing.assert_array_equal(c.infer(_obs()).actions, srv.garbage)
+        assert c.healthy
+    server = LyingServer(JointTargetPolicy(STATE, ACTION, np.zeros(7)), port=0)
+    server.metadata["horizon"] = None  # no horizon announced: a cap on the rows still holds
+    with server as srv, PolicyClient(port=srv.port) as c:
+        srv.garbage = np.zeros((100_000, ACTION), f32)
+        with pytest.raises(ProtocolError, match="100000 rows; the limit is 1024"):
+            c.infer(_obs())
+    server = PolicyServer(JointTargetPolicy(STATE, ACTION, np.zeros(7)), port=0)
+    server.metadata["horizon"] = 100_000
+    with server as srv, pytest.raises(HandshakeError, match="horizon must be an integer in"):
+        PolicyClient(port=srv.port)
+
+
 @pytest.fixture()
 def fake_minilm(monkeypatch, tmp_path):
     """MiniLM stand-in (no 11 s load) that records each call; the disk cache in a temp folder."""
