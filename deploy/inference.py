@@ -46,7 +46,10 @@ def policy_metadata(policy: Any, max_message_bytes: int, margin: float = protoco
             "max_message_bytes": int(max_message_bytes),
             "action_low": None if bounds is None else bounds[0].tolist(),
             "action_high": None if bounds is None else bounds[1].tolist(),
-            "max_instruction_chars": protocol.MAX_INSTRUCTION_CHARS}
+            "max_instruction_chars": protocol.MAX_INSTRUCTION_CHARS,
+            # by name, where the checkpoint recorded them: cameras, state slices read, slices estimated from
+            # the images, and whether it reads object state a physical arm cannot measure
+            "inputs": getattr(policy, "inputs", None)}
 
 
 def seed_everything(seed: int) -> None:

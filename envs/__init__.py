@@ -12,7 +12,7 @@ from envs import platform_setup
 
 platform_setup.setup()  # before anything imports mujoco/sapien (EGL, Vulkan loader, asset dir)
 
-from envs.base import GroundflowEnv, check_action, state_indices, state_slices  # noqa: E402
+from envs.base import GroundflowEnv, check_action, is_proprio, state_indices, state_slices  # noqa: E402
 from envs.errors import (GroundflowError, InstructionError, InvalidActionError, InvalidOptionError,  # noqa: E402
                          InvalidStateError, MissingAssetsError, UnknownEnvError)
 from envs.experts import Expert, make_expert

@@ -9,6 +9,7 @@ the observation dict and exposes the simulator state (for datasets, replay and d
 from __future__ import annotations
 
 import fnmatch
+import re
 from typing import Any
 
 import gymnasium as gym
@@ -53,11 +54,35 @@ def state_indices(layout: list[tuple[str, int]] | None, patterns: tuple[str, ...
                                  f"patterns {list(patterns)} cannot be resolved (`--ignore-state` with no "
                                  "pattern reads the whole state)")
     names = [n for n, _ in layout]
-    if not any(fnmatch.filter(names, p) for p in patterns):
+    parsed = [_part_of(p) for p in patterns]
+    if not any(fnmatch.filter(names, p) for p, _ in parsed):
         raise InvalidOptionError(f"state pattern(s) {list(patterns)} match no slice of {env_id or 'the'} state; "
                                  f"its slices: {names}")
-    return [i for name, (start, size) in state_slices(layout).items()
-            if any(fnmatch.fnmatchcase(name, p) for p in patterns) for i in range(start, start + size)]
+    out: set[int] = set()
+    for name, (start, size) in state_slices(layout).items():
+        for p, part in parsed:
+            if fnmatch.fnmatchcase(name, p):
+                out.update(start + k for k in range(size)[part])
+    return sorted(out)
+
+
+PROPRIO_PATTERNS = ("agent/*", "extra/tcp_pose", "robot0_*")
+"""State slices a physical arm measures itself (joints, gripper, the TCP pose by forward kinematics):
+ManiSkill's ``agent/*`` and ``extra/tcp_pose``, robosuite's ``robot0_*``. Every other named slice is
+the simulator's knowledge of the scene (object poses, goals)."""
+
+
+def is_proprio(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in PROPRIO_PATTERNS)
+
+
+def _part_of(pattern: str) -> tuple[str, slice]:
+    """'NAME[a:b]' -> ('NAME', slice(a, b)): entries a..b-1 of each matching slice (e.g.
+    '*_cube_pose[0:3]', the positions of poses); a plain 'NAME' is the whole slice."""
+    m = re.fullmatch(r"(.+)\[(-?\d*):(-?\d*)\]", pattern)
+    if not m:
+        return pattern, slice(None)
+    return m.group(1), slice(int(m.group(2)) if m.group(2) else None, int(m.group(3)) if m.group(3) else None)
 
 
 class GroundflowEnv(gym.Env):

@@ -70,6 +70,8 @@ class ManiSkillEnv(GroundflowEnv):
             raise InvalidOptionError(f"{env_id}: image_size must be in [16, 1024], got {image_size}")
         cameras = tuple(cameras)
         obs_mode = "state+rgb" if cameras else "state"
+        if cameras and own_task:
+            task_options.setdefault("sensor_uids", cameras)
         try:
             raw = gym.make(ms_id, obs_mode=obs_mode, sim_backend="cpu", render_backend="cpu",
                            control_mode=control_mode, reward_mode=reward_mode,

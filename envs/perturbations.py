@@ -268,19 +268,28 @@ class CameraShift(Perturbation):
     max_magnitude = 0.5
     unit = "m"
 
-    def __init__(self, env: Any, magnitude: float | None = None, seed: int = 0, rotation_deg: float | None = None):
+    def __init__(self, env: Any, magnitude: float | None = None, seed: int = 0, rotation_deg: float | None = None,
+                 up_to: bool = False, cameras: tuple[str, ...] | None = None):
         super().__init__(env, magnitude, seed)
         rot = 100.0 * self.magnitude if rotation_deg is None else rotation_deg
         self.rotation_deg = _check_number("camera rotation_deg", rot, 0.0, 90.0)
+        self.up_to = bool(up_to)
         self._base = base_env(env)
-        self._nominal = {c: self._get(c) for c in self._base.cameras}
+        # ``cameras``: only these (e.g. the fixed ones: a wrist camera is rigid on the hand); None: all
+        chosen = tuple(self._base.cameras) if cameras is None else tuple(cameras)
+        unknown = [c for c in chosen if c not in self._base.cameras]
+        if unknown or not chosen:
+            raise InvalidOptionError(f"camera shift: cameras {list(chosen)} must be some of the env's "
+                                     f"{list(self._base.cameras)}")
+        self._nominal = {c: self._get(c) for c in chosen}
 
     @classmethod
     def not_applicable(cls, env):
         return _images_reason(env, "camera shift")
 
     def describe(self):
-        return {**super().describe(), "rotation_deg": self.rotation_deg}
+        return {**super().describe(), "rotation_deg": self.rotation_deg, "up_to": self.up_to,
+                "cameras": list(self._nominal)}
 
     def _get(self, cam: str) -> tuple[np.ndarray, np.ndarray]:
         b = self._base
@@ -303,13 +312,15 @@ class CameraShift(Perturbation):
 
     def _before_reset(self, rng, options):
         # Applied before the reset: camera poses survive it, so the first image is already shifted.
-        half = np.deg2rad(self.rotation_deg) / 2
+        # up_to (domain randomization): this episode's share of the magnitude, uniform in [0, 1]
+        share = rng.uniform() if self.up_to else 1.0
+        half = np.deg2rad(self.rotation_deg * share) / 2
         for cam, (p, q) in self._nominal.items():
-            offset, axis = self.magnitude * _unit(rng), _unit(rng)
+            offset, axis = self.magnitude * share * _unit(rng), _unit(rng)
             turn = np.r_[np.cos(half), np.sin(half) * axis]
             self._set(cam, p + offset, _quat_mul(turn, q))
             self.last[cam] = {"offset_m": offset.round(6).tolist(), "axis": axis.round(6).tolist(),
-                              "rotation_deg": self.rotation_deg}
+                              "rotation_deg": round(self.rotation_deg * share, 6)}
         return options
 
     def restore(self) -> None:
@@ -326,10 +337,14 @@ class Lighting(Perturbation):
     max_magnitude = 4.0
     unit = "relative intensity"
 
-    def __init__(self, env: Any, magnitude: float | None = None, seed: int = 0):
+    def __init__(self, env: Any, magnitude: float | None = None, seed: int = 0, up_to: bool = False):
         super().__init__(env, magnitude, seed)
+        self.up_to = bool(up_to)
         self._base = base_env(env)
         self._nominal = self._get()
+
+    def describe(self):
+        return {**super().describe(), "up_to": self.up_to}
 
     @classmethod
     def not_applicable(cls, env):
@@ -370,7 +385,7 @@ class Lighting(Perturbation):
             fields[key][...] = c
 
     def _before_reset(self, rng, options):
-        m = self.magnitude
+        m = self.magnitude * (rng.uniform() if self.up_to else 1.0)  # up_to: domain randomization
         sign = 1.0 if rng.random() < 0.5 else -1.0
         factor = float((1 + m) ** (sign * rng.uniform(0.5, 1.0)))
         tint = 1 + rng.uniform(-m / 2, m / 2, size=3)

@@ -45,6 +45,8 @@ COMMANDS: dict[str, Command] = {
     "collect": Command("train.collect:collect_command", "expert demonstrations -> dataset (HDF5)"),
     "train": Command("train.commands:train_command", "behaviour cloning (flow, ar or mlp)"),
     "train cig": Command("train.commands:train_cig_command", "CIG continuation stage (--from CKPT)"),
+    "train estimator": Command("train.perception:estimator_command",
+                               "perception head of an --estimate-state checkpoint (--from CKPT)"),
     "train world-model": Command("train.world_model:world_model_command", "learned dynamics from datasets"),
     "relabel": Command("train.relabel:relabel_command", "hindsight relabeling of demos with other instructions"),
     "eval": Command("train.evaluate:eval_command", "rollouts of a checkpoint, success rate with 95% CI"),

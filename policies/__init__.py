@@ -33,6 +33,8 @@ def load(directory: str | os.PathLike, device: str = "cpu") -> VLAModel:
         raise CheckpointError(f"{directory}/config.json holds no valid policy config: {e}") from e
     model = make_policy(config)
     load_weights(model, directory, meta)
+    # what it reads at run time, by name (cameras, state slices, estimated slices), where training recorded it
+    model.inputs = meta.get("extra", {}).get("inputs")
     return model.to(device)
 
 

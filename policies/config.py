@@ -77,6 +77,20 @@ class PolicyConfig:
     cube and goal relative to the gripper (train: ``--relative-state``). In absolute coordinates a
     gripper next to cube A, then told to push cube B, is in a state no demonstration of B passes
     through; relative to the gripper, approaching B looks alike from anywhere"""
+    estimated_state: tuple[int, ...] = ()
+    """indices of state entries (object positions) the policy reads from a perception head that
+    sees only the cameras and the proprioception, never from the observation; each must also be in
+    ``state_ignore``. The simulator's value supervises the head in training (policies/perception.py;
+    ``groundflow train estimator``). With it the transformer gets no image tokens: the images
+    reach the policy through the estimate"""
+    estimate_noise: float = 0.0
+    """std (state units: metres for positions) of the Gaussian noise added to the true value of the
+    ``estimated_state`` entries while the policy trains: the size of the estimator's error, so the
+    policy does not learn to trust a precision it will not get"""
+    estimator_channels: int = 16
+    """perception head: channels of its first conv layer (per camera)"""
+    estimator_keypoints: int = 32
+    """perception head: spatial-softmax keypoints per camera"""
     lang_norm: bool = False
     """centre the instruction features on the training instructions' mean and scale them to unit
     RMS (statistics in the checkpoint). MiniLM sentence features of one suite share most of their
@@ -138,6 +152,18 @@ class PolicyConfig:
             raise ValueError(f"image_pool must be one of {list(POOLS)}, got {self.image_pool!r}")
         if not 0 <= self.image_shift < self.image_size // 2:
             raise ValueError(f"image_shift must be in [0, {self.image_size // 2}), got {self.image_shift}")
+        self.estimated_state = tuple(sorted({int(i) for i in self.estimated_state}))
+        if self.estimated_state:
+            outside = sorted(set(self.estimated_state) - set(self.state_ignore))
+            if outside:
+                raise ValueError(f"estimated_state entries {outside} are not in state_ignore: a policy that estimates "
+                                 "an entry must not also read it from the observation")
+            if not self.cameras:
+                raise ValueError("estimated_state needs cameras: the perception head estimates from images")
+            if self.kind == "mlp":
+                raise ValueError("estimated_state is for the flow and ar families")
+        if not self.estimate_noise >= 0:
+            raise ValueError(f"estimate_noise must be >= 0, got {self.estimate_noise}")
         if self.n_bins < 2 or self.bin_sigma < 0:
             raise ValueError(f"need n_bins >= 2 and bin_sigma >= 0, got {self.n_bins}, {self.bin_sigma}")
 
@@ -153,5 +179,6 @@ class PolicyConfig:
         d = dict(d)
         d["cameras"] = tuple(d.get("cameras", ()))
         d["state_ignore"] = tuple(d.get("state_ignore", ()))
+        d["estimated_state"] = tuple(d.get("estimated_state", ()))
         d["state_relative"] = tuple(tuple(pr) for pr in d.get("state_relative", ()))
         return cls(**d)

@@ -6,6 +6,7 @@ in the head on top (velocity for flow matching, bin logits for autoregressive de
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -21,6 +22,7 @@ from envs.errors import CheckpointError, InvalidOptionError
 from policies.config import PolicyConfig
 from policies.language import LanguageEncoder, check_instruction
 from policies.normalizer import Normalizer
+from policies.perception import StateEstimator
 from policies.rtc import RTCConfig, prefix_guide
 from policies.vision import ImageEncoder
 
@@ -56,6 +58,8 @@ def sinusoidal(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 class VLAModel(nn.Module):
     kind = ""  # "flow" | "ar": the family a subclass implements, recorded in its config
+    inputs: dict | None = None
+    """what the checkpoint reads at run time, by name (``train.bc.policy_inputs``; set by ``policies.load``)"""
     supports_prefix = False
     """True where ``predict_action_chunk`` can continue a committed plan (real-time chunking by
     prefix inpainting, ``policies.rtc``): flow policies, whose sampler takes a guide"""
@@ -78,13 +82,18 @@ class VLAModel(nn.Module):
             p, r = (torch.tensor([[i + k for k in range(3)] for i in idx]) for idx in zip(*c.state_relative))
             self.register_buffer("rel_pos_idx", p.flatten(), persistent=False)
             self.register_buffer("rel_ref_idx", r.flatten(), persistent=False)
-        self.state_in_dim = len(keep) + 3 * len(c.state_relative)
+        self.state_in_dim = len(keep) + 3 * len(c.state_relative) + len(c.estimated_state)
         """width of what ``state_input`` returns"""
         state_in = self.state_in_dim + (c.lang_dim if c.fusion == "early" else 0)
         self.state_proj = nn.Sequential(nn.Linear(state_in, c.state_hidden), nn.GELU(), nn.Linear(c.state_hidden, d))
+        # with a perception head the images reach the policy only through its estimate (no image tokens)
+        self.estimator = (StateEstimator(c.cameras, len(keep), len(c.estimated_state), c.estimator_channels,
+                                         c.estimator_keypoints, shift=c.image_shift, jitter=c.image_jitter)
+                          if c.estimated_state else None)
+        self.register_buffer("estimated_idx", torch.tensor(c.estimated_state, dtype=torch.long), persistent=False)
         self.vision = (ImageEncoder(d, c.cameras, backbone=c.vision, frozen=c.vision_frozen, shift=c.image_shift,
                                     pool=c.image_pool, jitter=c.image_jitter)
-                       if c.cameras else None)
+                       if c.cameras and self.estimator is None else None)
         # predicts the hidden state entries from the image tokens (training only, see aux_state_weight)
         self.aux_head = (nn.Linear(len(c.cameras) * self.vision.n_tok * d, len(c.state_ignore))
                          if c.cameras and c.aux_state_weight > 0 else None)
@@ -144,7 +153,7 @@ class VLAModel(nn.Module):
             itok = itok + self.type_emb[1]
             toks.append(itok)
             masks.append(torch.zeros(B, itok.shape[1], dtype=torch.bool, device=dev))
-        s_in = self.state_input(state)
+        s_in = self.state_input(state, batch.get("images"))
         if self.config.fusion == "early":
             s_in = torch.cat([s_in, self._pooled(feats, lmask, drop_lang)], -1)
         stok = self.state_proj(s_in)[:, None] + self.type_emb[2]
@@ -152,14 +161,51 @@ class VLAModel(nn.Module):
         masks.append(torch.zeros(B, 1, dtype=torch.bool, device=dev))
         return torch.cat(toks, 1), torch.cat(masks, 1)
 
-    def state_input(self, state: torch.Tensor) -> torch.Tensor:
+    def state_input(self, state: torch.Tensor, images: dict[str, Any] | None = None) -> torch.Tensor:
         """The normalized state entries the policy reads (all but ``config.state_ignore``), then the
-        standardized relative positions of ``config.state_relative``."""
-        s = self.normalizer.state(state)
-        s = s if len(self.state_keep) == s.shape[-1] else s[..., self.state_keep]
-        if not self.config.state_relative:
-            return s
-        return torch.cat([s, self.normalizer.relative(self._relative(state))], -1)
+        standardized relative positions of ``config.state_relative``, then the perception head's
+        estimate of ``config.estimated_state`` (which needs ``images``)."""
+        full = self.normalizer.state(state)
+        s = full if len(self.state_keep) == full.shape[-1] else full[..., self.state_keep]
+        parts = [s]
+        if self.config.state_relative:
+            parts.append(self.normalizer.relative(self._relative(state)))
+        if self.estimator is not None:
+            parts.append(self._estimate(full, s, images))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+    def _estimate(self, full: torch.Tensor, proprio: torch.Tensor, images: dict[str, Any] | None) -> torch.Tensor:
+        """Standardized estimates of ``config.estimated_state``. While the policy trains: the true
+        value plus ``estimate_noise`` (the simulator's value supervises, never acts); otherwise the
+        perception head's estimate from the images and the proprioception alone."""
+        if self.training:
+            noise = torch.randn_like(full[..., self.estimated_idx]) * self.config.estimate_noise
+            return full[..., self.estimated_idx] + noise / self.normalizer.state_std[self.estimated_idx]
+        if images is None:
+            raise PolicyMismatchError(f"policy needs cameras {list(self.config.cameras)}, batch has no images")
+        return self.estimator(self._image_tensors(images), proprio)
+
+    def _image_tensors(self, images: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {k: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v, device=self.device)
+                for k, v in images.items()}
+
+    def estimator_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Mean squared error of the perception head on standardized ``estimated_state`` entries
+        (``groundflow train estimator``)."""
+        state = torch.as_tensor(batch["state"], dtype=torch.float32, device=self.device)
+        full = self.normalizer.state(state)
+        pred = self.estimator(self._image_tensors(batch["images"]), full[..., self.state_keep])
+        loss = ((pred - full[..., self.estimated_idx]) ** 2).mean()
+        return loss, {"loss": float(loss.detach())}
+
+    def estimate(self, batch: dict[str, Any]) -> np.ndarray:
+        """(B, n) the perception head's estimate of ``config.estimated_state`` in state units."""
+        state = torch.as_tensor(batch["state"], dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            full = self.normalizer.state(state)
+            z = self.estimator(self._image_tensors(batch["images"]), full[..., self.state_keep])
+            x = z * self.normalizer.state_std[self.estimated_idx] + self.normalizer.state_mean[self.estimated_idx]
+        return x.cpu().numpy()
 
     def _relative(self, state: torch.Tensor) -> torch.Tensor:
         """Raw (..., 3k) positions minus their references (``config.state_relative``)."""
@@ -295,7 +341,8 @@ class VLAModel(nn.Module):
         if texts:
             save_file({f"i{i}": self.lang.cache[t].contiguous() for i, t in enumerate(texts)}, str(tmp / "language.safetensors"))
         meta = {"format": FORMAT, "version": 1, "config": self.config.to_dict(), "instructions": texts,
-                "extra": extra or {}}
+                "extra": extra or {},
+                "sha256": {f.name: file_sha256(f) for f in sorted(tmp.glob("*.safetensors"))}}  # checked on load
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
         if out.exists():
             old = out.with_name(out.name + ".old")
@@ -338,6 +385,33 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> dict:
     return meta
 
 
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_sha256(path: Path, meta: dict, d: Path) -> None:
+    """Refuse a weights file whose bytes differ from the digest config.json recorded when it was
+    saved (a flipped byte in the tensor data still parses and would load changed weights).
+    Checkpoints written before digests were recorded carry none and load unchecked."""
+    digests = meta.get("sha256")
+    if digests is None:
+        return
+    want = digests.get(path.name) if isinstance(digests, dict) else None
+    if not isinstance(want, str):
+        raise CheckpointError(f"{d / 'config.json'} records no valid sha256 for {path.name} (edited or corrupt "
+                              f"config?): {str(digests)[:120]}")
+    got = file_sha256(path)
+    if got != want:
+        raise CheckpointError(f"{path} fails its checksum (sha256 {got[:16]}..., {d / 'config.json'} records "
+                              f"{want[:16]}...): its bytes changed after it was saved (corrupt file, or files "
+                              "mixed from two checkpoints)")
+
+
 #: buffers added after the first checkpoints were written: absent ones keep their "unknown" value
 _OPTIONAL_BUFFERS = ("normalizer.action_var",)
 
@@ -351,6 +425,7 @@ def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> V
     path = d / "model.safetensors"
     try:
         weights = load_file(str(path))
+        _check_sha256(path, meta, d)
         try:
             missing = [k for k in _OPTIONAL_BUFFERS if k in model.state_dict() and k not in weights]
             model.load_state_dict({**weights, **{k: model.state_dict()[k] for k in missing}}, strict=True)
@@ -362,6 +437,7 @@ def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> V
         if (d / "language.safetensors").is_file():
             path = d / "language.safetensors"
             tensors = load_file(str(path))
+            _check_sha256(path, meta, d)
             model.lang.cache.update({t: tensors[f"i{i}"] for i, t in enumerate(meta["instructions"])})
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path} is unreadable (missing, truncated or corrupt?): {e}") from e

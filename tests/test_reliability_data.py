@@ -240,6 +240,47 @@ def test_damaged_checkpoint_is_one_clear_error(tmp_path, capsys, damage, needles
     _one_line_error(capsys, ["eval", "--ckpt", str(ckpt), "--episodes", "1"], str(ckpt), *needles)
 
 
+def _flip_at(path: Path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "language.safetensors"])
+def test_flipped_checkpoint_bytes_are_refused_naming_the_file(tmp_path, capsys, name):
+    """Before the fix 40/40 flips in model.safetensors loaded, with changed weights."""
+    ckpt, pristine = tmp_path / "ckpt", tmp_path / "pristine"
+    p = _tiny_policy()
+    p.lang.cache["push the cube"] = torch.randn(1, 384, generator=torch.Generator().manual_seed(0))
+    p.save(pristine, extra={"env_id": "maniskill/PushCube-v1"})
+    q = policies.load(pristine)  # an untouched checkpoint loads, unchanged
+    assert _same_weights(q, p) and torch.equal(q.lang.cache["push the cube"], p.lang.cache["push the cube"])
+    import shutil
+    size = (pristine / name).stat().st_size
+    for offset in np.linspace(0, size - 1, 40).astype(int):
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.copytree(pristine, ckpt)
+        _flip_at(ckpt / name, int(offset))
+        with pytest.raises(CheckpointError) as e:
+            policies.load(ckpt)
+        assert str(ckpt / name) in str(e.value) and "\n" not in str(e.value), (offset, str(e.value))
+    # a flip inside the tensor data (the header still parses): the checksum names the file, in one CLI line
+    _flip_at(ckpt / name, size - 3)
+    _one_line_error(capsys, ["eval", "--ckpt", str(ckpt), "--episodes", "1"], str(ckpt / name), "checksum")
+
+
+def test_checkpoints_saved_without_a_digest_still_load(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    p = _tiny_policy()
+    p.save(ckpt)
+    meta = json.loads((ckpt / "config.json").read_text())
+    assert set(meta.pop("sha256")) == {"model.safetensors"}
+    (ckpt / "config.json").write_text(json.dumps(meta))  # what checkpoints written before digests look like
+    assert _same_weights(policies.load(ckpt), p)
+
+
 # ----- 3 and 5. training state: no code execution, damaged files, divergence ----------------------
 
 @pytest.fixture(scope="module")
@@ -321,3 +362,146 @@ def test_cli_names_damaged_datasets(tmp_path, capsys):
     _flip_byte(path, "episodes/000002/action")
     _one_line_error(capsys, ["train", "--data", str(path), "--steps", "1", "--out", str(tmp_path / "r")],
                     str(path), "episode 000002", "checksum")
+
+
+# ----- 6. bad numeric flags and output paths: one clear line, exit 1 -------------------------------
+
+def test_bad_train_flags_are_one_clear_error_each(tmp_path, capsys):
+    data = _write(tmp_path / "d.h5")  # 3 episodes of 10 steps
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    base = ["train", "--data", str(data), "--horizon", "4", "--n-exec", "2", "--batch-size", "8", "--wandb",
+            "disabled", "--no-progress"]
+    for extra, needles in [
+        (["--steps", "-5", "--out", str(tmp_path / "r1")], ["--steps", "-5"]),  # before: trained 0 steps, exit 0
+        (["--steps", "0", "--out", str(tmp_path / "r2")], ["--steps", "0"]),
+        (["--steps", "2", "--out", str(afile / "run")], ["--out", str(afile), "file"]),  # before: NotADirectoryError
+        (["--steps", "2", "--out", str(afile)], ["--out", str(afile), "file"]),
+        (["--steps", "2", "--save-every", "0", "--out", str(tmp_path / "r3")], ["--save-every"]),
+    ]:
+        _one_line_error(capsys, base + extra, *needles)
+    assert not (tmp_path / "r1").exists() and afile.read_text() == "not a directory"
+    # a chunk longer than every episode (before: trained on padding only; 1e5 hung building the model)
+    _one_line_error(capsys, base + ["--steps", "2", "--out", str(tmp_path / "r4"), "--horizon", "100000"],
+                    "--horizon", "100000")
+    _one_line_error(capsys, base + ["--steps", "2", "--out", str(tmp_path / "r4"), "--horizon", "12"],
+                    "--horizon 12", "longest episode", "10 steps", str(data))
+    assert not (tmp_path / "r4").exists()
+
+
+def test_eval_refuses_a_non_positive_episode_count(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"  # fits maniskill/PushCube-v1 (35, 8): before the fix, exit 0 with success 0.0
+    p = policies.make_policy(PolicyConfig(kind="flow", state_dim=35, action_dim=8, horizon=4, n_exec=2))
+    rng = np.random.default_rng(0)
+    p.fit_normalizer(rng.normal(size=(8, 35)), rng.uniform(-1, 1, size=(8, 8)))
+    p.save(ckpt, extra={"env_id": "maniskill/PushCube-v1"})
+    for n in ("0", "-3"):
+        _one_line_error(capsys, ["eval", "--ckpt", str(ckpt), "--episodes", n, "--out", str(tmp_path / "r.json")],
+                        "--episodes", n)
+    assert not (tmp_path / "r.json").exists()
+
+
+# ----- 7. Ctrl+C then --resume continues the same run -----------------------------------------------
+
+def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path, monkeypatch):
+    """Every random state the loop draws from comes back on --resume: the batch generator (indices,
+    flow times and noise, instruction drops), torch's global generator (dropout, image shift and
+    jitter) and numpy's and Python's global generators (here an augmentation drawing from both)."""
+    import random
+    data = tmp_path / "img.h5"
+    with DatasetWriter(data, "test/env", 5, 3, cameras=("cam",)) as w:
+        for i in range(3):
+            ep = _episode(seed=i)
+            ep.images = {"cam": np.random.default_rng(i).integers(0, 255, (10, 32, 32, 3), dtype=np.uint8)}
+            w.add(ep)
+    init = tmp_path / "init"  # a checkpoint with dropout, continued with --from (the CIG stage's path)
+    p = policies.make_policy(PolicyConfig(kind="flow", state_dim=5, action_dim=3, horizon=4, n_exec=2, dropout=0.2,
+                                          cameras=("cam",), image_size=32, image_shift=2, image_jitter=0.3))
+    eps = [_episode(seed=i) for i in range(3)]
+    p.fit_normalizer(np.concatenate([e.state for e in eps]), np.concatenate([e.action for e in eps]))
+    p.save(init)
+    batch = ChunkData.batch
+
+    def augmented(self, idx):  # draws from numpy's and Python's global generators
+        out = batch(self, idx)
+        noise = np.random.standard_normal(out["state"].shape) + 10 * random.random()
+        out["state"] = out["state"] + noise.astype(np.float32)
+        return out
+
+    monkeypatch.setattr(ChunkData, "batch", augmented)
+    kw = dict(data=(data,), batch_size=8, wandb="disabled", progress=False, save_every=3, horizon=4, n_exec=2,
+              cameras=("cam",), image_size=32, instruction_dropout=0.3, init_from=init, steps=8)
+    full = train(TrainArgs(out=tmp_path / "full", **kw))
+
+    def ctrl_c_at(n):
+        def on_step(step):
+            if step == n:
+                raise KeyboardInterrupt
+        return on_step
+
+    with pytest.raises(KeyboardInterrupt):  # after step 5: the state on disk is step 3's
+        train(TrainArgs(out=tmp_path / "cut", **kw), on_step=ctrl_c_at(5))
+    assert torch.load(tmp_path / "cut" / "train_state.pt", weights_only=True)["step"] == 3
+    resumed = train(TrainArgs(out=tmp_path / "cut", resume=True, **kw))
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in full["history"]]  # before: differed at 4
+    a = torch.load(tmp_path / "full" / "train_state.pt", weights_only=True)
+    b = torch.load(tmp_path / "cut" / "train_state.pt", weights_only=True)
+    for part in ("model", "ema"):
+        assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    assert _same_weights(policies.load(tmp_path / "full" / "ckpt"), policies.load(tmp_path / "cut" / "ckpt"))
+
+
+def _same_tree(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_flipped_train_state_bytes_never_load_changed(tiny_run, tmp_path, capsys):
+    """Before the fix 29/40 flips in train_state.pt loaded, with a changed state. Now each is
+    refused naming the file, or (a byte the state does not depend on) loads exactly what was saved."""
+    import shutil
+
+    from train.bc import _load_train_state
+    d, kw = tiny_run
+    src = d / "run" / "train_state.pt"
+    saved = torch.load(src, weights_only=True)
+    saved.pop("sha256", None)
+    raw = src.read_bytes()
+    path = tmp_path / "train_state.pt"
+    changed = []
+    for offset in np.linspace(0, len(raw) - 1, 40).astype(int):
+        path.write_bytes(raw)
+        _flip_at(path, int(offset))
+        try:
+            st = _load_train_state(path, torch.device("cpu"))
+        except CheckpointError as e:
+            assert str(path) in str(e) and "\n" not in str(e), str(e)
+            continue
+        if not _same_tree(st, saved):
+            changed.append(int(offset))
+    assert not changed, f"flips at {changed} loaded a changed training state"
+    # through `groundflow train --resume`: a flip inside a weight tensor's bytes is one line naming the file
+    out = tmp_path / "run"
+    shutil.copytree(d / "run", out)
+    weight = max(saved["model"].values(), key=lambda t: t.numel()).contiguous().numpy().tobytes()
+    _flip_at(out / "train_state.pt", raw.index(weight) + len(weight) // 2)
+    _one_line_error(capsys, ["train", "--data", str(kw["data"][0]), "--out", str(out), "--resume", "--steps", "4",
+                             "--horizon", "4", "--n-exec", "2", "--batch-size", "8", "--save-every", "2",
+                             "--wandb", "disabled", "--no-progress"], str(out / "train_state.pt"), "checksum")
+
+
+def test_train_states_saved_before_digests_and_random_states_still_resume(tiny_run, tmp_path):
+    import shutil
+    d, kw = tiny_run
+    out = tmp_path / "run"
+    shutil.copytree(d / "run", out)
+    st = torch.load(out / "train_state.pt", weights_only=True)
+    del st["sha256"], st["rng"]  # what train_state.pt looked like before
+    torch.save(st, out / "train_state.pt")
+    with pytest.warns(UserWarning, match="random states"):
+        assert train(TrainArgs(steps=3, out=out, resume=True, **kw))["steps"] == 3

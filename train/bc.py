@@ -13,11 +13,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import hashlib
 import json
 import math
 import os
 import pickle
+import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
@@ -29,7 +32,7 @@ from tqdm import tqdm
 
 import policies
 from envs import make as make_env
-from envs import state_indices, state_slices
+from envs import is_proprio, state_indices, state_slices
 from envs.errors import CheckpointError, GroundflowError, InvalidOptionError
 from policies import PolicyConfig, make_policy
 from policies.config import ImagePool, VisionBackbone
@@ -91,6 +94,14 @@ class TrainArgs:
     """'SLICES:REF' specs, by name in the env's state layout (SLICES a shell pattern): the policy also
     reads the position (first 3 entries) of every matching slice minus that of REF, e.g.
     '*_cube_pose:extra/tcp_pose' '*_goal_pos:extra/tcp_pose' (see PolicyConfig.state_relative)"""
+    estimate_state: tuple[str, ...] = ()
+    """state slices the policy reads from a perception head over --cameras instead of the observation,
+    by name in the env's state layout, 'NAME[a:b]' for part of a slice (e.g. '*_cube_pose[0:3]'
+    '*_goal_pos'); they are hidden from the policy's input. The head trains after the policy, with
+    `groundflow train estimator` (see PolicyConfig.estimated_state)"""
+    estimate_noise: float = _MODEL.estimate_noise
+    """std (state units) of the noise on the true --estimate-state values while the policy trains:
+    the perception head's error (see PolicyConfig.estimate_noise)"""
     lang_norm: bool = _MODEL.lang_norm
     """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
     steps: int = 2000
@@ -133,7 +144,7 @@ class TrainArgs:
 
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
                 "image_shift", "image_jitter", "image_pool", "aux_state_weight", "fusion", "state_hidden",
-                "lang_norm", "ignore_state", "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
+                "lang_norm", "ignore_state", "estimate_state", "estimate_noise", "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
 def _dist() -> tuple[int, int]:
@@ -187,6 +198,32 @@ def _state_ignore(patterns: tuple[str, ...], data: ChunkData) -> list[int]:
     return state_indices(_layout(data), tuple(patterns), data.env_id or "")  # PolicyConfig refuses hiding it all
 
 
+def policy_inputs(config: PolicyConfig, layout: list | None) -> dict[str, Any]:
+    """What the checkpoint reads at run time, by name: cameras, the state slices it reads from the
+    observation, those it estimates from the images, and whether any read slice is one a physical
+    arm cannot measure (``reads_object_state``; None where the data did not name its slices)."""
+    if not layout:
+        return {"cameras": list(config.cameras), "state": None, "estimated": None, "reads_object_state": None}
+    hidden, est = set(config.state_ignore), set(config.estimated_state)
+    read, estimated = [], []
+    for name, (start, size) in state_slices(layout).items():
+        idx = set(range(start, start + size))
+        if idx - hidden:
+            read.append(name)
+        if idx & est:
+            estimated.append(name)
+    relative = {name for p, r in config.state_relative for name, (st, sz) in state_slices(layout).items()
+                if st <= p < st + sz or st <= r < st + sz}
+    return {"cameras": list(config.cameras), "state": read, "estimated": estimated,
+            "reads_object_state": any(not is_proprio(n) for n in set(read) | relative)}
+
+
+def _checkpoint_extra(data: ChunkData, args_json: dict, policy: Any) -> dict[str, Any]:
+    """What every checkpoint of the run records beside its weights."""
+    return {"env_id": data.env_id, "instructions": data.instructions, "train_args": args_json,
+            "inputs": policy_inputs(policy.config, data.state_layout)}
+
+
 def _state_relative(specs: tuple[str, ...], data: ChunkData) -> list[tuple[int, int]]:
     """(position start, reference start) pairs named by ``--relative-state`` 'SLICES:REF' specs."""
     if not specs:
@@ -235,7 +272,9 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
                            state_hidden=args.state_hidden,
                            lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
                            cfg_scale=args.cfg_scale, n_bins=args.n_bins, bin_sigma=args.bin_sigma,
-                           state_ignore=tuple(_state_ignore(args.ignore_state, data)),
+                           state_ignore=tuple(_state_ignore(args.ignore_state + args.estimate_state, data)),
+                           estimated_state=tuple(_state_ignore(args.estimate_state, data)),
+                           estimate_noise=args.estimate_noise,
                            state_relative=tuple(_state_relative(args.relative_state, data)))
         policy = make_policy(cfg)
         policy.fit_normalizer(data.state, data.action, data.instructions)
@@ -245,8 +284,9 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
 
 
 def _resume(args: TrainArgs, args_json: dict, state_path: Path, device: torch.device, policy: Any, ema: Any,
-            opt: torch.optim.Optimizer) -> tuple[int, list[dict[str, float]]]:
-    """Load ``train_state.pt`` into policy, EMA and optimizer; (step, history) to continue from."""
+            opt: torch.optim.Optimizer) -> tuple[int, list[dict[str, float]], dict[str, Any] | None]:
+    """Load ``train_state.pt`` into policy, EMA and optimizer; (step, history, random states) to
+    continue from (random states None for a state saved before they were kept)."""
     if not state_path.is_file():
         raise FileNotFoundError(f"--resume: no {state_path}")
     saved = _load_train_state(state_path, device)
@@ -259,7 +299,62 @@ def _resume(args: TrainArgs, args_json: dict, state_path: Path, device: torch.de
     if ema is not None and saved.get("ema") is not None:
         ema.load_state_dict(saved["ema"])
     opt.load_state_dict(saved["opt"])
-    return saved["step"], saved["history"]
+    return saved["step"], saved["history"], saved.get("rng")
+
+
+def _rng_state(gen: torch.Generator, device: torch.device) -> dict[str, Any]:
+    """Every random state the training loop draws from, as tensors and plain containers (what
+    weights_only unpickling admits): the batch generator (indices, flow times and noise, instruction
+    drops, CIG negatives), torch's global CPU and CUDA generators (dropout, image augmentation),
+    numpy's and Python's global generators."""
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    st = {"batch": gen.get_state(), "torch": torch.get_rng_state(),
+          "numpy": {"keys": torch.from_numpy(np.asarray(keys, np.int64)), "pos": int(pos),
+                    "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+          "python": [int(version), list(internal), gauss_next]}
+    if device.type == "cuda":
+        st["cuda"] = torch.cuda.get_rng_state(device)
+    return st
+
+
+def _set_rng_state(st: dict[str, Any], gen: torch.Generator, device: torch.device) -> None:
+    """Put back what :func:`_rng_state` saved, so a resumed run draws what the uninterrupted one would."""
+    gen.set_state(st["batch"].cpu())
+    torch.set_rng_state(st["torch"].cpu())
+    n = st["numpy"]
+    np.random.set_state(("MT19937", n["keys"].cpu().numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    version, internal, gauss_next = st["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if device.type == "cuda" and st.get("cuda") is not None:
+        torch.cuda.set_rng_state(st["cuda"].cpu(), device)
+
+
+MAX_HORIZON = 1024
+"""the longest action chunk ``--horizon`` accepts (attention cost grows with its square: 1e5 hung)"""
+
+
+def _check_args(args: TrainArgs) -> None:
+    """Refuse numeric flags that would train nothing, divide by zero or never finish, and an --out
+    that cannot become a directory, before any data is read (one clear line each)."""
+    if not args.data:
+        raise ValueError("give at least one dataset with --data")
+    if not args.cig.weight >= 0:  # a negative (or NaN) lambda used to train plain BC without a word
+        raise ValueError(f"--cig-weight must be >= 0 (0: plain BC), got {args.cig.weight}")
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
+                        ("--save-every", args.save_every), ("--log-every", args.log_every)):
+        if value < 1:
+            raise InvalidOptionError(f"{flag} must be >= 1, got {value}")
+    if not 1 <= args.horizon <= MAX_HORIZON:
+        raise InvalidOptionError(f"--horizon must be in [1, {MAX_HORIZON}], got {args.horizon}")
+    out = Path(args.out)
+    p = out
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        where = "is a file" if p == out else f"is under {p}, which is a file"
+        raise InvalidOptionError(f"--out {out} {where}, not a directory; give a directory path")
 
 
 def _draw_batch(data: ChunkData, args: TrainArgs, gen: torch.Generator, rank: int, world: int,
@@ -294,18 +389,20 @@ def train(args: TrainArgs, on_step: Callable[[int], None] | None = None) -> dict
     rank, world = _dist()
     if args.batch_size % world:
         raise ValueError(f"batch size {args.batch_size} is not divisible by the {world} data-parallel ranks")
-    if not args.data:
-        raise ValueError("give at least one dataset with --data")
-    if not args.cig.weight >= 0:  # a negative (or NaN) lambda used to train plain BC without a word
-        raise ValueError(f"--cig-weight must be >= 0 (0: plain BC), got {args.cig.weight}")
+    _check_args(args)
     device = _device(args.device, rank)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
+    random.seed(args.seed)
     out = Path(args.out)
     state_path = out / "train_state.pt"
     args_json = _jsonable(dataclasses.asdict(args))
 
     data = ChunkData(args.data, args.horizon, args.cameras, args.image_size)
+    longest = int(data.length.max())
+    if args.horizon > longest:  # every chunk would be padding past the end of its episode
+        raise InvalidOptionError(f"--horizon {args.horizon} is longer than the longest episode in "
+                                 f"{[str(p) for p in args.data]} ({longest} steps); use --horizon <= {longest}")
     policy = _build_policy(args, data)
     cig = CIGObjective(policy, data, args.cig, seed=args.seed) if args.cig.weight > 0 else None
     policy.to(device)
@@ -320,9 +417,9 @@ def train(args: TrainArgs, on_step: Callable[[int], None] | None = None) -> dict
             policy, device_ids=[device.index] if device.type == "cuda" else None, find_unused_parameters=True)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=args.weight_decay)
-    step, history = 0, []
+    step, history, rng_state = 0, [], None
     if args.resume:
-        step, history = _resume(args, args_json, state_path, device, policy, ema, opt)
+        step, history, rng_state = _resume(args, args_json, state_path, device, policy, ema, opt)
     elif rank == 0 and state_path.exists():
         raise FileExistsError(f"{out} already holds a run; use --resume to continue it or another --out")
     saved_step = step if args.resume else None  # the step of the checkpoint in OUT/ckpt, if any
@@ -332,8 +429,13 @@ def train(args: TrainArgs, on_step: Callable[[int], None] | None = None) -> dict
     logger = Logger(args.wandb, out, args_json, out.name, enabled=rank == 0)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    meta_extra = {"env_id": data.env_id, "instructions": data.instructions, "train_args": args_json}
+    meta_extra = _checkpoint_extra(data, args_json, policy)
     gen = torch.Generator().manual_seed(args.seed * 1000003 + step)
+    if rng_state is not None:  # after everything above that draws (model init): the loop continues exactly
+        _set_rng_state(rng_state, gen, device)
+    elif args.resume:
+        warnings.warn(f"{state_path} was saved before training kept its random states: the resumed run draws "
+                      "other batches than an uninterrupted one would")
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.policy}", disable=not (args.progress and rank == 0))
     t_start, samples = time.time(), 0
     summary: dict[str, Any] = {}
@@ -380,7 +482,7 @@ def train(args: TrainArgs, on_step: Callable[[int], None] | None = None) -> dict
             logger.log({"eval/success_rate": summary["eval"]["success_rate"]}, step)
             policy.train()
         if rank == 0 and (step % args.save_every == 0 or step == args.steps):
-            _save(out, policy, ema, opt, step, history, args_json, meta_extra)
+            _save(out, policy, ema, opt, step, history, args_json, meta_extra, _rng_state(gen, device))
             saved_step = step
     bar.close()
     dt = time.time() - t_start
@@ -423,13 +525,46 @@ def _load_train_state(path: Path, device: torch.device) -> dict[str, Any]:
     missing = [k for k in ("model", "opt", "step", "history", "args") if not isinstance(st, dict) or k not in st]
     if missing:
         raise CheckpointError(f"{path} is not a groundflow training state (lacks {missing})")
+    want = st.pop("sha256", None)  # absent in states saved before the digest was recorded
+    if want is not None and want != _tree_sha256(st):
+        raise CheckpointError(f"{path} fails its checksum: what it holds changed after it was saved (corrupt "
+                              "file); resume from an intact copy or start a new run")
     return st
 
 
-def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra) -> None:
+def _tree_sha256(obj: Any) -> str:
+    """sha256 of a training state's contents (tensor bytes, dtypes and shapes, and the plain values
+    and containers around them, in order): recorded in the state itself, so it is written in the
+    same atomic rename, and a flipped byte that still unpickles is caught when the state loads."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if torch.is_tensor(x):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(x, dict):
+            h.update(f"D{len(x)}|".encode())
+            for k, v in x.items():
+                walk(k)
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            h.update(f"{type(x).__name__}{len(x)}|".encode())
+            for v in x:
+                walk(v)
+        else:
+            h.update(f"{type(x).__name__}:{x!r}|".encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra,
+          rng: dict[str, Any] | None = None) -> None:
     (ema or policy).save(out / "ckpt", extra={**meta_extra, "step": step})
     st = {"model": policy.state_dict(), "ema": ema.state_dict() if ema is not None else None,
-          "opt": opt.state_dict(), "step": step, "history": history, "args": args_json}
+          "opt": opt.state_dict(), "step": step, "history": history, "args": args_json, "rng": rng}
+    st["sha256"] = _tree_sha256(st)
     tmp = out / "train_state.pt.tmp"
     torch.save(st, tmp)
     os.replace(tmp, out / "train_state.pt")

@@ -48,6 +48,11 @@ class CollectArgs:
     """DART (Laskey et al. 2017): execute the expert action plus N(0, dart_noise^2) (clipped to the
     action space) but record the clean expert action, so demos visit states off the expert's path
     and show how to get back; for policies that must recover from a detour (guided collision runs)"""
+    randomize: tuple[str, ...] = ()
+    """domain randomization of what the cameras see, 'FAMILY=MAGNITUDE' (envs/perturbations.py), each
+    episode drawing up to that magnitude: e.g. camera=0.08 (metres, and 100x that in degrees of turn;
+    'camera=0.08:CAM1,CAM2' moves only those cameras, e.g. the fixed one and not the wrist's)
+    lighting=0.6; the images change, the expert and the recorded state do not"""
     keep_failures: bool = False
     """also write episodes where the expert failed"""
     max_attempts: int | None = None
@@ -57,6 +62,27 @@ class CollectArgs:
     env_options: dict[str, Any] = field(default_factory=dict)
     """extra options passed to envs.make"""
     progress: bool = True
+
+
+RANDOMIZABLE = ("camera", "lighting")
+
+
+def _randomized(env: Any, specs: tuple[str, ...], seed: int) -> Any:
+    """``env`` wrapped in an up-to-magnitude perturbation per 'FAMILY=MAGNITUDE' spec."""
+    from envs.perturbations import perturb
+    for i, spec in enumerate(specs):
+        family, sep, mag = spec.partition("=")
+        if family not in RANDOMIZABLE or not sep:
+            raise InvalidOptionError(f"--randomize {spec!r}: expected FAMILY=MAGNITUDE with FAMILY one of "
+                                     f"{list(RANDOMIZABLE)}, e.g. camera=0.08")
+        mag, _, cams = mag.partition(":")
+        try:
+            magnitude = float(mag)
+        except ValueError:
+            raise InvalidOptionError(f"--randomize {spec!r}: {mag!r} is not a number") from None
+        kw = {"cameras": tuple(c for c in cams.split(",") if c)} if cams and family == "camera" else {}
+        env = perturb(env, family, magnitude=magnitude, seed=seed + 104729 * (i + 1), up_to=True, **kw)
+    return env
 
 
 def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -73,7 +99,7 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
         options["layout"] = args.layout
     if args.layout_rho is not None:
         options["layout_rho"] = args.layout_rho
-    env = envs.make(env_id, **options)
+    env = _randomized(envs.make(env_id, **options), args.randomize, args.seed)
     suite = getattr(env, "suite", None)
     tasks = [suite.task(i) for i in args.instructions] if (suite and args.instructions) else (
         list(suite.tasks) if suite else [None])
@@ -83,7 +109,7 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
             "env_options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
             "suite": suite.name if suite else None,
             "instructions": [t.instruction for t in tasks] if suite else [env.instruction],
-            "control_mode": getattr(env, "control_mode", None)}
+            "control_mode": getattr(env, "control_mode", None), "randomize": list(args.randomize)}
     if args.dart_noise < 0:
         raise InvalidOptionError(f"--dart-noise must be >= 0, got {args.dart_noise}")
     meta["dart_noise"] = args.dart_noise

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 import envs
 import policies
+from envs.errors import InvalidOptionError
 from envs.metrics import wilson  # noqa: F401  (re-exported for callers)
 from policies.model import PolicyMismatchError, check_vocabulary
 
@@ -181,6 +182,8 @@ class EvalArgs:
 
 def eval_command(argv: list[str]) -> None:
     args = tyro.cli(EvalArgs, args=argv, prog="groundflow eval")
+    if args.episodes < 1:  # 0 episodes used to report a success rate of 0.0 and exit 0
+        raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
     policy = policies.load(args.ckpt)
     meta = policies.read_checkpoint_meta(args.ckpt)
     env_id = envs.suite_env_id(args.suite) if args.suite else (args.env or meta.get("extra", {}).get("env_id"))

@@ -63,9 +63,25 @@ class _TableTask(BaseEnv):
 
     render_target_z = 0.1
 
+    def __init__(self, *args, sensor_uids: tuple[str, ...] | None = None, **kwargs):
+        # only the cameras asked for are built: SAPIEN renders every sensor on every step
+        self.sensor_uids = None if sensor_uids is None else tuple(sensor_uids)
+        super().__init__(*args, **kwargs)
+
     @property
     def _default_sensor_configs(self):
-        return [_look_at_camera(eye=[0.3, 0, 0.6], target=[-0.1, 0, 0.1])]
+        configs = [
+            # the original wide view from above the table's far edge (the arm fills its middle)
+            _look_at_camera(eye=[0.3, 0, 0.6], target=[-0.1, 0, 0.1]),
+            # a real cell's fixed camera: opposite the robot, the workspace and both goals fill the frame
+            _look_at_camera(eye=[0.4, 0, 0.46], target=[-0.04, 0, 0.0], name="workspace_camera", fov=np.deg2rad(56)),
+            # a wrist camera on the back of the hand, looking past the fingertips (hand frame: z along the fingers)
+            CameraConfig("hand_camera", sapien_utils.look_at(eye=[-0.07, 0, 0.02], target=[0, 0, 0.2]),
+                         128, 128, np.deg2rad(75), 0.01, 100, mount=self.agent.robot.links_map["panda_hand"]),
+        ]
+        if self.sensor_uids is not None:
+            configs = [c for c in configs if c.uid in self.sensor_uids]
+        return configs
 
     @property
     def _default_human_render_camera_configs(self):
@@ -98,8 +114,8 @@ def _disc_builder(scene, radius: float, colors: list[list[float]], name: str, po
     return builder.build_kinematic(name=name)
 
 
-def _look_at_camera(eye, target, name: str = "base_camera", size: int = 128) -> CameraConfig:
-    return CameraConfig(name, sapien_utils.look_at(eye=eye, target=target), size, size, np.pi / 2, 0.01, 100)
+def _look_at_camera(eye, target, name: str = "base_camera", size: int = 128, fov: float = np.pi / 2) -> CameraConfig:
+    return CameraConfig(name, sapien_utils.look_at(eye=eye, target=target), size, size, fov, 0.01, 100)
 
 
 # ============================================================================================ #

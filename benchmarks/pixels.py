@@ -1,0 +1,294 @@
+"""Multi-instruction policies from cameras and proprioception, with no object state at run time.
+
+The tabletop suite (12 instructions, random layouts) seen by a fixed camera that frames the
+workspace (``workspace_camera``) and a wrist camera (``hand_camera``), 96 px. Methods share the demos
+and the evaluation seeds; each is a policy plus, where it sees, a perception head
+(``--estimate-state``: object positions estimated from the images and the proprioception; the
+simulator's value supervises training only). Control rows read the object state and say so.
+
+Parts (each writes its pieces under benchmarks/results/pixels_parts/, ``merge`` joins them):
+
+- ``collect``: the demos (two processes, seeds 0 and 20000, 600 episodes each), and for ``_dr``
+  methods 1200 more with the fixed camera moved (up to 8 cm and 8 degrees) and the lights changed
+  (up to x1.6 with a tint) per episode, seeds 40000 and 60000;
+- ``train``: per method, the policy (the multitask recipe) then its perception head;
+- ``eval``: per method and condition (clean, camera: the fixed camera moved 5 cm and turned 5
+  degrees, a fresh direction per episode; lighting: x0.67-1.5 with a tint), episodes from seed
+  200000 (never in the demos), 95% Wilson intervals;
+- ``latency``: chunk latency on one CPU thread (observation in, chunk out: the head and the policy);
+- ``merge``: ``pixels.json`` and ``pixels.md``.
+
+    B=".venv/bin/python benchmarks/pixels.py"
+    $B --part collect && $B --part train --methods head && $B --part eval --methods head
+    $B --part merge
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, ROOT, machine, md_table  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tyro  # noqa: E402
+
+SUITE_ENV = "maniskill/TabletopSuite-v1"
+CAMERAS = ("workspace_camera", "hand_camera")
+IMAGE_SIZE = 96
+FIXED = ("workspace_camera",)  # the wrist camera is rigid on the hand: a bumped camera is the fixed one
+CLEAN_SEEDS, DR_SEEDS, DEMOS_PER_SEED = (0, 20000), (40000, 60000), 600
+DR_RANDOMIZE = ("camera=0.08:workspace_camera", "lighting=0.6")
+EVAL_SEED = 200_000
+HIDE = ("*vel", "*_cube_pose", "*_goal_pos")
+ESTIMATE = ("*_cube_pose[0:3]", "*_goal_pos[0:2]")
+PARTS = RESULTS / "pixels_parts"
+
+
+@dataclass(frozen=True)
+class Method:
+    """A row: how its policy trains and where its perception head comes from."""
+
+    note: str
+    estimate_noise: float | None = 0.01
+    """None: a control that reads the object state (no head)"""
+    head_data: str = "clean"
+    """clean | clean+dr: the demos the head is trained on"""
+    head_steps: int = 4000
+    head_from: str | None = None
+    """reuse that method's trained head (an ablation of the policy alone)"""
+    policy_from: str | None = None
+    """reuse that method's policy (an ablation of the head alone)"""
+
+
+METHODS: dict[str, Method] = {
+    "head": Method("perception head (CoordConv + spatial softmax, both cameras) feeding a policy trained on the "
+                   "true object positions + 1 cm noise"),
+    "head_dr": Method("the same policy; its head also trained on demos with the fixed camera moved and the light "
+                      "changed per episode", head_data="clean+dr", policy_from="head"),
+    "head_nonoise": Method("ablation: the policy trained on exact object positions, the head of `head`",
+                           estimate_noise=0.0, head_from="head"),
+    "state": Method("control: the multitask recipe reading the simulator's object state (not deployable)",
+                    estimate_noise=None),
+}
+
+
+@dataclass
+class Args:
+    part: Literal["collect", "train", "eval", "latency", "merge"] = "merge"
+    methods: tuple[str, ...] = ("head",)
+    conditions: tuple[str, ...] = ("clean", "camera", "lighting")
+    episodes: int = 120
+    data: Path = ROOT / "data" / "pixels"
+    runs: Path = ROOT / "runs" / "pixels"
+    seed: int = 0
+
+
+def _gf(*args: str, log: Path | None = None) -> None:
+    """Run a ``groundflow`` command (one torch thread, as the results were measured)."""
+    cmd = [str(ROOT / ".venv" / "bin" / "groundflow"), *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    with open(log or "/dev/null", "w") as out:
+        subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def _data(a: Args, which: str) -> list[Path]:
+    seeds = CLEAN_SEEDS if which == "clean" else DR_SEEDS
+    return [a.data / f"tabletop_{which}_s{s}.h5" for s in seeds]
+
+
+def collect(a: Args) -> None:
+    a.data.mkdir(parents=True, exist_ok=True)
+    need_dr = any(METHODS[m].head_data == "clean+dr" for m in a.methods)
+    procs = []
+    for which in ("clean", "dr") if need_dr else ("clean",):
+        for seed, path in zip(CLEAN_SEEDS if which == "clean" else DR_SEEDS, _data(a, which)):
+            if path.exists():
+                continue
+            extra = ["--randomize", *DR_RANDOMIZE] if which == "dr" else []
+            cmd = [str(ROOT / ".venv" / "bin" / "groundflow"), "collect", "--suite", "tabletop", "--episodes",
+                   str(DEMOS_PER_SEED), "--layout", "random", "--cameras", *CAMERAS, "--image-size", str(IMAGE_SIZE),
+                   "--seed", str(seed), "--out", str(path), "--no-progress", *extra]
+            print("$", " ".join(cmd[1:]), flush=True)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}))
+    if any(p.wait() for p in procs):
+        raise SystemExit("a collection failed")
+
+
+def _policy_dir(a: Args, name: str) -> Path:
+    m = METHODS[name]
+    return a.runs / (m.policy_from or name) / "policy"
+
+
+def _final_dir(a: Args, name: str) -> Path:
+    """The checkpoint the method is evaluated with."""
+    return a.runs / name / ("policy" if METHODS[name].estimate_noise is None else "final") / "ckpt"
+
+
+def train(a: Args) -> None:
+    for name in a.methods:
+        m = METHODS[name]
+        pol = _policy_dir(a, name)
+        if not (pol / "ckpt").exists():
+            flags = ["train", "--recipe", "multitask", "--data", *map(str, _data(a, "clean")), "--out", str(pol),
+                     "--seed", str(a.seed), "--no-progress", "--wandb", "disabled"]
+            if m.estimate_noise is None:
+                flags += ["--ignore-state", "*vel"]
+            else:
+                flags += ["--cameras", *CAMERAS, "--image-size", str(IMAGE_SIZE), "--ignore-state", *HIDE,
+                          "--estimate-state", *ESTIMATE, "--estimate-noise", str(m.estimate_noise)]
+            _gf(*flags, log=pol.with_suffix(".log"))
+        if m.estimate_noise is None:
+            continue
+        final = _final_dir(a, name).parent
+        head = ["train", "estimator", "--from", str(pol / "ckpt"), "--out", str(final), "--seed", str(a.seed),
+                "--no-progress"]
+        if m.head_from:
+            head += ["--estimator-from", str(_final_dir(a, m.head_from)), "--steps", "0"]
+        else:
+            data = _data(a, "clean") + (_data(a, "dr") if m.head_data == "clean+dr" else [])
+            head += ["--data", *map(str, data), "--steps", str(m.head_steps)]
+        _gf(*head, log=final.with_suffix(".log"))
+
+
+def _piece(name: str, what: str) -> Path:
+    return PARTS / f"{name}_{what}.json"
+
+
+def evaluate_part(a: Args) -> None:
+    import envs
+    import policies
+    from envs.perturbations import perturb
+    from train.evaluate import evaluate
+    PARTS.mkdir(parents=True, exist_ok=True)
+    for name in a.methods:
+        policy = policies.load(_final_dir(a, name))
+        opts = {"cameras": CAMERAS, "image_size": IMAGE_SIZE}
+        for cond in a.conditions:
+            env = envs.make(SUITE_ENV, **opts)
+            if cond == "camera":
+                env = perturb(env, "camera", magnitude=0.05, rotation_deg=5.0, cameras=FIXED, seed=1)
+            elif cond == "lighting":
+                env = perturb(env, "lighting", magnitude=0.5, seed=1)
+            t0 = time.time()
+            r = evaluate(policy, SUITE_ENV, a.episodes, seed=EVAL_SEED, env=env, progress=True).to_dict()
+            env.close()
+            r.update(condition=cond, method=name, minutes=(time.time() - t0) / 60)
+            _piece(name, cond).write_text(json.dumps(r, indent=2))
+            print(f"{name} {cond}: {r['success_rate']:.3f} {r['ci95']}", flush=True)
+
+
+def latency(a: Args) -> None:
+    import torch
+    import envs
+    import policies
+    torch.set_num_threads(1)
+    PARTS.mkdir(parents=True, exist_ok=True)
+    env = envs.make(SUITE_ENV, cameras=CAMERAS, image_size=IMAGE_SIZE)
+    obs, _ = env.reset(seed=EVAL_SEED)
+    for name in a.methods:
+        policy = policies.load(_final_dir(a, name))
+        for _ in range(5):
+            policy.predict_action_chunk(obs)
+        ts = []
+        for _ in range(100):
+            t0 = time.perf_counter()
+            policy.predict_action_chunk(obs)
+            ts.append((time.perf_counter() - t0) * 1e3)
+        _piece(name, "latency").write_text(json.dumps({"p50_ms": float(np.median(ts)),
+                                                        "p90_ms": float(np.percentile(ts, 90))}))
+        print(f"{name}: chunk p50 {np.median(ts):.1f} ms", flush=True)
+    env.close()
+
+
+def _minutes(a: Args, name: str) -> float | None:
+    m, total = METHODS[name], 0.0
+    pol = _policy_dir(a, name) / "summary.json"
+    if not pol.exists():
+        return None
+    total += json.loads(pol.read_text())["seconds"]
+    head = _final_dir(a, name).parent / "summary.json"
+    if m.estimate_noise is not None and head.exists():
+        total += json.loads(head.read_text())["seconds"]
+    if m.head_from:  # the reused head's training counts too
+        total += json.loads((_final_dir(a, m.head_from).parent / "summary.json").read_text())["seconds"]
+    return total / 60
+
+
+def merge(a: Args) -> None:
+    rows: dict[str, Any] = {}
+    heads: dict[str, Any] = {}
+    for name in METHODS:
+        clean = _piece(name, "clean")
+        if not clean.exists():
+            continue
+        r = json.loads(clean.read_text())
+        lat = _piece(name, "latency")
+        cond = {c: json.loads(_piece(name, c).read_text()) for c in ("camera", "lighting") if _piece(name, c).exists()}
+        ckpt = json.loads((_final_dir(a, name) / "config.json").read_text())
+        inputs = ckpt["extra"].get("inputs", {})
+        rows[name] = {
+            "success": r["success_rate"], "ci95": r["ci95"], "episodes": r["episodes"],
+            "train_minutes": _minutes(a, name), "image_size": IMAGE_SIZE if inputs.get("cameras") else None,
+            "cameras": inputs.get("cameras", []), "reads_object_state": bool(inputs.get("reads_object_state")),
+            "camera_shift": cond["camera"]["success_rate"] if "camera" in cond else None,
+            "camera_shift_ci95": cond["camera"]["ci95"] if "camera" in cond else None,
+            "lighting": cond["lighting"]["success_rate"] if "lighting" in cond else None,
+            "lighting_ci95": cond["lighting"]["ci95"] if "lighting" in cond else None,
+            "latency_ms_p50": json.loads(lat.read_text())["p50_ms"] if lat.exists() else None,
+            "did_other_task": r["did_other_task_rate"], "per_instruction": {
+                k: v["success_rate"] for k, v in r["per_instruction"].items()},
+            "note": METHODS[name].note}
+        if "estimator" in ckpt["extra"]:
+            heads[name] = ckpt["extra"]["estimator"]
+    deployable = {k: v for k, v in rows.items() if not v["reads_object_state"]}
+    best = max(deployable, key=lambda k: deployable[k]["success"]) if deployable else None
+    out = {"suites": {"tabletop": rows}, "recommended": {"tabletop": best} if best else {},
+           "perception_heads": heads, "cig": {}, "eval_seed": EVAL_SEED, "machine": machine(),
+           "setup": {"env": SUITE_ENV, "cameras": list(CAMERAS), "image_size": IMAGE_SIZE,
+                     "demos": len(CLEAN_SEEDS) * DEMOS_PER_SEED, "camera_shift": "fixed camera moved 5 cm, turned 5 deg",
+                     "lighting": "lights x0.67-1.5 with a tint (magnitude 0.5)"}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "pixels.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / "pixels.md").write_text(_table(out))
+    print(_table(out))
+
+
+def _fmt(x: float | None, ci: list | None = None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def _table(out: dict[str, Any]) -> str:
+    rows = []
+    for name, r in out["suites"]["tabletop"].items():
+        rows.append([name, "yes" if r["reads_object_state"] else "no", _fmt(r["success"], r["ci95"]),
+                     _fmt(r["camera_shift"], r.get("camera_shift_ci95")), _fmt(r["lighting"], r.get("lighting_ci95")),
+                     str(r["episodes"]), _fmt(r["train_minutes"]), _fmt(r["latency_ms_p50"])])
+    head_rows = [[k, f"{1000 * v['heldout_rmse_mean']:.1f}", f"{1000 * v['train_rmse_mean']:.1f}",
+                  str(v["heldout_frames"]), str(v["steps"])] for k, v in out["perception_heads"].items()]
+    return ("## Tabletop suite from cameras (12 instructions, random layouts)\n\n"
+            + md_table(["method", "reads object state", "success [95% CI]", "camera shift", "lighting", "episodes",
+                        "train min", "chunk p50 ms"], rows)
+            + "\n\n## Perception heads: error on held-out demo frames (mm, RMS over the estimated coordinates)\n\n"
+            + md_table(["method", "held-out", "training frames", "held-out frames", "steps"], head_rows) + "\n")
+
+
+def main(a: Args) -> None:
+    unknown = [m for m in a.methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
+    {"collect": collect, "train": train, "eval": evaluate_part, "latency": latency, "merge": merge}[a.part](a)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
