@@ -65,13 +65,18 @@ class Method:
     """reuse that method's trained head (an ablation of the policy alone)"""
     policy_from: str | None = None
     """reuse that method's policy (an ablation of the head alone)"""
+    noise_from: str | None = None
+    """train the policy with noise per coordinate equal to that method's head's held-out error"""
 
 
 METHODS: dict[str, Method] = {
     "head": Method("perception head (CoordConv + spatial softmax, both cameras) feeding a policy trained on the "
                    "true object positions + 1 cm noise"),
     "head_dr": Method("the same policy; its head also trained on demos with the fixed camera moved and the light "
-                      "changed per episode", head_data="clean+dr", policy_from="head"),
+                      "changed per episode, 8000 steps", head_data="clean+dr", head_steps=8000, policy_from="head"),
+    "head_dr_matched": Method("the head of `head_dr`; the policy trained with noise per coordinate equal to the "
+                              "held-out error of `head`'s head (depth 2-3 cm, the rest 1-12 mm)", estimate_noise=0.0,
+                              noise_from="head", head_from="head_dr"),
     "head_nonoise": Method("ablation: the policy trained on exact object positions, the head of `head`",
                            estimate_noise=0.0, head_from="head"),
     "state": Method("control: the multitask recipe reading the simulator's object state (not deployable)",
@@ -81,10 +86,14 @@ METHODS: dict[str, Method] = {
 
 @dataclass
 class Args:
-    part: Literal["collect", "train", "eval", "latency", "merge"] = "merge"
+    part: Literal["collect", "train", "eval", "latency", "deploy", "merge"] = "merge"
     methods: tuple[str, ...] = ("head",)
     conditions: tuple[str, ...] = ("clean", "camera", "lighting")
     episodes: int = 120
+    server_episodes: int = 24
+    """deploy part: episodes through groundflow serve (the suite's instructions in turn)"""
+    encodings: tuple[str, ...] = ("raw", "jpeg")
+    """deploy part: how camera images cross the wire"""
     data: Path = ROOT / "data" / "pixels"
     runs: Path = ROOT / "runs" / "pixels"
     seed: int = 0
@@ -94,6 +103,8 @@ def _gf(*args: str, log: Path | None = None) -> None:
     """Run a ``groundflow`` command (one torch thread, as the results were measured)."""
     cmd = [str(ROOT / ".venv" / "bin" / "groundflow"), *args]
     print("$", " ".join(cmd[1:]), flush=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
     with open(log or "/dev/null", "w") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
@@ -145,6 +156,8 @@ def train(a: Args) -> None:
             else:
                 flags += ["--cameras", *CAMERAS, "--image-size", str(IMAGE_SIZE), "--ignore-state", *HIDE,
                           "--estimate-state", *ESTIMATE, "--estimate-noise", str(m.estimate_noise)]
+                if m.noise_from:
+                    flags += ["--estimate-noise-from", str(_final_dir(a, m.noise_from))]
             _gf(*flags, log=pol.with_suffix(".log"))
         if m.estimate_noise is None:
             continue
@@ -170,7 +183,7 @@ def evaluate_part(a: Args) -> None:
     from train.evaluate import evaluate
     PARTS.mkdir(parents=True, exist_ok=True)
     for name in a.methods:
-        policy = policies.load(_final_dir(a, name))
+        policy = policies.load(_final_dir(a, name), to_act=True)
         opts = {"cameras": CAMERAS, "image_size": IMAGE_SIZE}
         for cond in a.conditions:
             env = envs.make(SUITE_ENV, **opts)
@@ -195,7 +208,7 @@ def latency(a: Args) -> None:
     env = envs.make(SUITE_ENV, cameras=CAMERAS, image_size=IMAGE_SIZE)
     obs, _ = env.reset(seed=EVAL_SEED)
     for name in a.methods:
-        policy = policies.load(_final_dir(a, name))
+        policy = policies.load(_final_dir(a, name), to_act=True)
         for _ in range(5):
             policy.predict_action_chunk(obs)
         ts = []
@@ -207,6 +220,57 @@ def latency(a: Args) -> None:
                                                         "p90_ms": float(np.percentile(ts, 90))}))
         print(f"{name}: chunk p50 {np.median(ts):.1f} ms", flush=True)
     env.close()
+
+
+def deploy_part(a: Args) -> None:
+    """The checkpoint behind ``groundflow serve``, driven by the deploy path (client, control loop,
+    safety layer) on a simulated tabletop that renders the cameras: success and round trip per image
+    encoding, the same episodes for each."""
+    import os
+    import socket
+    from deploy.client import robot_client
+    from deploy.errors import PolicyUnavailableError
+    from deploy.evaluate import evaluate_via_server
+    from deploy.safety import SafetyConfig
+    from deploy.sim_robot import SimRobot
+    import envs
+    PARTS.mkdir(parents=True, exist_ok=True)
+    suite = envs.make(SUITE_ENV).suite
+    for name in a.methods:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "groundflow"), "serve", "--ckpt",
+                                   str(_final_dir(a, name)), "--host", "127.0.0.1", "--port", str(port)],
+                                  cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            opts = {"cameras": CAMERAS, "image_size": IMAGE_SIZE}
+            probe = SimRobot(SUITE_ENV, env_options=opts)
+            probe.connect()
+            spec = probe.spec
+            probe.close()
+            out = {}
+            for enc in a.encodings:
+                for _ in range(120):  # the server loads its checkpoint and the language model first
+                    try:
+                        client = robot_client("127.0.0.1", port, spec, SafetyConfig.far_margin, timeout=10.0,
+                                              image_encoding=enc)
+                        break
+                    except (OSError, PolicyUnavailableError):  # not listening yet
+                        time.sleep(1.0)
+                else:
+                    raise SystemExit(f"groundflow serve on port {port} did not answer")
+                r = evaluate_via_server(SUITE_ENV, client, a.server_episodes, seed=EVAL_SEED, env_options=opts,
+                                        instructions=suite.instructions)
+                client.close()
+                out[enc] = {k: r[k] for k in ("n_episodes", "success_rate", "ci95", "rtt_p50_ms")}
+                print(f"{name} via server ({enc}): {r['success_rate']:.2f} {r['ci95']}, rtt p50 {r['rtt_p50_ms']} ms",
+                      flush=True)
+            _piece(name, "deploy").write_text(json.dumps(out, indent=2))
+        finally:
+            server.terminate()
+            server.wait(30)
 
 
 def _minutes(a: Args, name: str) -> float | None:
@@ -244,10 +308,11 @@ def merge(a: Args) -> None:
             "lighting": cond["lighting"]["success_rate"] if "lighting" in cond else None,
             "lighting_ci95": cond["lighting"]["ci95"] if "lighting" in cond else None,
             "latency_ms_p50": json.loads(lat.read_text())["p50_ms"] if lat.exists() else None,
+            "via_server": json.loads(_piece(name, "deploy").read_text()) if _piece(name, "deploy").exists() else None,
             "did_other_task": r["did_other_task_rate"], "per_instruction": {
                 k: v["success_rate"] for k, v in r["per_instruction"].items()},
             "note": METHODS[name].note}
-        if "estimator" in ckpt["extra"]:
+        if "estimator" in ckpt["extra"] and not METHODS[name].head_from:  # a copied head's split is not held out
             heads[name] = ckpt["extra"]["estimator"]
     deployable = {k: v for k, v in rows.items() if not v["reads_object_state"]}
     best = max(deployable, key=lambda k: deployable[k]["success"]) if deployable else None
@@ -287,7 +352,8 @@ def main(a: Args) -> None:
     unknown = [m for m in a.methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
-    {"collect": collect, "train": train, "eval": evaluate_part, "latency": latency, "merge": merge}[a.part](a)
+    {"collect": collect, "train": train, "eval": evaluate_part, "latency": latency, "deploy": deploy_part,
+     "merge": merge}[a.part](a)
 
 
 if __name__ == "__main__":

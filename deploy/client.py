@@ -279,15 +279,10 @@ def check_reply_chunk(actions: Any, meta: dict[str, Any], *bounds: tuple[Any, An
         said = (f"the server announced a horizon of {horizon}" if meta.get("horizon")
                 else f"the limit is {MAX_CHUNK_ROWS} (the server announced no horizon)")
         raise ProtocolError(f"reply action chunk has {a.shape[0]} rows; {said}")
-    for b in bounds:
+    plausible = (np.full(action_dim, -MAX_ACTION_MAGNITUDE), np.full(action_dim, MAX_ACTION_MAGNITUDE))
+    for b in (*bounds, plausible):
         if b is not None:
             a = protocol.check_chunk(a, action_dim, b)
-    big = np.abs(a) > MAX_ACTION_MAGNITUDE
-    if big.any():
-        d = int(np.flatnonzero(big.any(0))[0])
-        raise ProtocolError(f"action chunk is far outside any plausible action: dim {d} reaches "
-                            f"{float(a[:, d][big[:, d]][0]):.4g}, beyond +-{MAX_ACTION_MAGNITUDE:g} "
-                            f"(dims {np.flatnonzero(big.any(0)).tolist()} out)")
     return a
 
 

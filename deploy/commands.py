@@ -135,7 +135,7 @@ def load_policy(args: ServeArgs):
     if (args.ckpt is None) == (args.scripted is None):
         raise InvalidOptionError("give exactly one of --ckpt DIR or --scripted joint_target")
     if args.ckpt is not None:
-        return policies.load(args.ckpt, device=args.device)
+        return policies.load(args.ckpt, device=args.device, to_act=True)
     if args.state_dim <= 0 or args.action_dim <= 0 or not args.target:
         raise InvalidOptionError("--scripted joint_target needs --state-dim, --action-dim and --target")
     return JointTargetPolicy(args.state_dim, args.action_dim, args.target)

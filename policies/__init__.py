@@ -24,9 +24,14 @@ def make_policy(config: PolicyConfig) -> VLAModel:
     return CLASSES[config.kind](config)
 
 
-def load(directory: str | os.PathLike, device: str = "cpu") -> VLAModel:
-    """Load a checkpoint written by ``policy.save(dir)``."""
+def load(directory: str | os.PathLike, device: str = "cpu", to_act: bool = False) -> VLAModel:
+    """Load a checkpoint written by ``policy.save(dir)``. ``to_act``: refuse one that cannot act yet
+    (a perception head never trained: it would steer by noise)."""
     meta = read_checkpoint_meta(directory)
+    if to_act and meta.get("config", {}).get("estimated_state") and "estimator" not in meta.get("extra", {}):
+        raise CheckpointError(f"{directory}: its perception head is untrained (the policy reads "
+                              f"--estimate-state entries from it); run `groundflow train estimator --from "
+                              f"{directory} --out DIR` and use DIR/ckpt")
     try:
         config = PolicyConfig.from_dict(meta["config"])
     except (KeyError, TypeError, ValueError) as e:  # an edited or foreign config.json

@@ -87,6 +87,9 @@ class PolicyConfig:
     """std (state units: metres for positions) of the Gaussian noise added to the true value of the
     ``estimated_state`` entries while the policy trains: the size of the estimator's error, so the
     policy does not learn to trust a precision it will not get"""
+    estimate_noise_per_entry: tuple[float, ...] = ()
+    """per ``estimated_state`` entry, in its order: the noise std that replaces ``estimate_noise`` (a
+    head's held-out error differs by axis: depth from a camera is the hard one)"""
     estimator_channels: int = 16
     """perception head: channels of its first conv layer (per camera)"""
     estimator_keypoints: int = 32
@@ -162,8 +165,15 @@ class PolicyConfig:
                 raise ValueError("estimated_state needs cameras: the perception head estimates from images")
             if self.kind == "mlp":
                 raise ValueError("estimated_state is for the flow and ar families")
-        if not self.estimate_noise >= 0:
-            raise ValueError(f"estimate_noise must be >= 0, got {self.estimate_noise}")
+            if self.aux_state_weight > 0:
+                raise ValueError("aux_state_weight trains image tokens, which a policy with estimated_state does not "
+                                 "have (its perception head is supervised by `groundflow train estimator`)")
+        self.estimate_noise_per_entry = tuple(float(x) for x in self.estimate_noise_per_entry)
+        if not self.estimate_noise >= 0 or not all(x >= 0 for x in self.estimate_noise_per_entry):
+            raise ValueError(f"estimate noise must be >= 0, got {self.estimate_noise}, {self.estimate_noise_per_entry}")
+        if self.estimate_noise_per_entry and len(self.estimate_noise_per_entry) != len(self.estimated_state):
+            raise ValueError(f"estimate_noise_per_entry has {len(self.estimate_noise_per_entry)} entries for "
+                             f"{len(self.estimated_state)} estimated entries")
         if self.n_bins < 2 or self.bin_sigma < 0:
             raise ValueError(f"need n_bins >= 2 and bin_sigma >= 0, got {self.n_bins}, {self.bin_sigma}")
 
@@ -180,5 +190,6 @@ class PolicyConfig:
         d["cameras"] = tuple(d.get("cameras", ()))
         d["state_ignore"] = tuple(d.get("state_ignore", ()))
         d["estimated_state"] = tuple(d.get("estimated_state", ()))
+        d["estimate_noise_per_entry"] = tuple(d.get("estimate_noise_per_entry", ()))
         d["state_relative"] = tuple(tuple(pr) for pr in d.get("state_relative", ()))
         return cls(**d)

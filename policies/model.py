@@ -179,7 +179,10 @@ class VLAModel(nn.Module):
         value plus ``estimate_noise`` (the simulator's value supervises, never acts); otherwise the
         perception head's estimate from the images and the proprioception alone."""
         if self.training:
-            noise = torch.randn_like(full[..., self.estimated_idx]) * self.config.estimate_noise
+            c = self.config
+            std = (torch.tensor(c.estimate_noise_per_entry, device=full.device) if c.estimate_noise_per_entry
+                   else c.estimate_noise)
+            noise = torch.randn_like(full[..., self.estimated_idx]) * std
             return full[..., self.estimated_idx] + noise / self.normalizer.state_std[self.estimated_idx]
         if images is None:
             raise PolicyMismatchError(f"policy needs cameras {list(self.config.cameras)}, batch has no images")

@@ -65,7 +65,7 @@ def test_estimated_entries_must_be_hidden_and_need_cameras():
         PolicyConfig(state_dim=52, action_dim=4, cameras=("cam",), state_ignore=(9,), estimated_state=(25,))
     with pytest.raises(ValueError, match="needs cameras"):
         PolicyConfig(state_dim=52, action_dim=4, state_ignore=(25,), estimated_state=(25,))
-    with pytest.raises(ValueError, match="estimate_noise"):
+    with pytest.raises(ValueError, match="estimate noise"):
         PolicyConfig(state_dim=52, action_dim=4, cameras=("cam",), state_ignore=(25,), estimated_state=(25,),
                      estimate_noise=-1)
 
@@ -140,3 +140,44 @@ def test_train_estimator_refuses_a_checkpoint_without_head(tmp_path):
     p.save(tmp_path / "ckpt")
     with pytest.raises(InvalidOptionError, match="no perception head"):
         train_estimator(EstimatorArgs(init_from=tmp_path / "ckpt", out=tmp_path / "out", progress=False))
+
+
+def test_noise_per_entry_must_match_the_estimated_entries():
+    base = dict(state_dim=52, action_dim=4, cameras=("cam",), state_ignore=(25, 26), estimated_state=(25, 26))
+    assert PolicyConfig(**base, estimate_noise_per_entry=(0.02, 0.01)).estimate_noise_per_entry == (0.02, 0.01)
+    with pytest.raises(ValueError, match="2 estimated entries"):
+        PolicyConfig(**base, estimate_noise_per_entry=(0.02,))
+
+
+def test_a_checkpoint_with_an_untrained_head_does_not_act(tmp_path):
+    from envs.errors import CheckpointError
+    policy = _pixel_policy()
+    policy.save(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="perception head is untrained.*train estimator"):
+        policies.load(tmp_path / "ckpt", to_act=True)
+    policies.load(tmp_path / "ckpt")  # what `train estimator` itself loads
+    policy.save(tmp_path / "trained", extra={"estimator": {"heldout_rmse_mean": 0.01}})
+    policies.load(tmp_path / "trained", to_act=True)
+
+
+def test_simulated_robot_renders_the_cameras_a_pixel_policy_reads():
+    """deploy --robot sim --sim-cameras: the tabletop's fixed workspace camera and wrist camera, only
+    those built, at the asked size; the wrist camera moves with the hand."""
+    from deploy.commands import DeployArgs, make_robot
+    args = DeployArgs(robot="sim", env="maniskill/TabletopSuite-v1", sim_cameras=("workspace_camera", "hand_camera"),
+                      sim_image_size=48, lockstep=True)
+    robot = make_robot(args, [])
+    robot.connect()
+    try:
+        assert robot.spec.cameras == ("workspace_camera", "hand_camera")
+        assert set(robot.env.raw._sensors) == {"workspace_camera", "hand_camera"}
+        first = robot.get_observation()["images"]
+        assert {k: v.shape for k, v in first.items()} == {"workspace_camera": (48, 48, 3), "hand_camera": (48, 48, 3)}
+        for _ in range(5):
+            robot.send_action(np.array([0.0, 0.0, 1.0, 1.0], np.float32))  # the hand rises
+        later = robot.get_observation()["images"]
+        moved = np.abs(later["hand_camera"].astype(int) - first["hand_camera"]).mean()
+        still = np.abs(later["workspace_camera"].astype(int) - first["workspace_camera"]).mean()
+        assert moved > 3 * still and moved > 2, (moved, still)
+    finally:
+        robot.close()

@@ -102,6 +102,9 @@ class TrainArgs:
     estimate_noise: float = _MODEL.estimate_noise
     """std (state units) of the noise on the true --estimate-state values while the policy trains:
     the perception head's error (see PolicyConfig.estimate_noise)"""
+    estimate_noise_from: Path | None = None
+    """take the noise per --estimate-state entry from this checkpoint's perception head: its held-out
+    error (`groundflow train estimator` records it), so the policy expects the errors it will get"""
     lang_norm: bool = _MODEL.lang_norm
     """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
     steps: int = 2000
@@ -144,7 +147,7 @@ class TrainArgs:
 
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
                 "image_shift", "image_jitter", "image_pool", "aux_state_weight", "fusion", "state_hidden",
-                "lang_norm", "ignore_state", "estimate_state", "estimate_noise", "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
+                "lang_norm", "ignore_state", "estimate_state", "estimate_noise", "estimate_noise_from", "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
 def _dist() -> tuple[int, int]:
@@ -218,6 +221,17 @@ def policy_inputs(config: PolicyConfig, layout: list | None) -> dict[str, Any]:
             "reads_object_state": any(not is_proprio(n) for n in set(read) | relative)}
 
 
+def _noise_from(ckpt: Path | None) -> tuple[float, ...]:
+    """The held-out error per estimated entry of ``ckpt``'s perception head (() without --estimate-noise-from)."""
+    if ckpt is None:
+        return ()
+    rmse = policies.read_checkpoint_meta(ckpt).get("extra", {}).get("estimator", {}).get("heldout_rmse")
+    if not rmse:
+        raise InvalidOptionError(f"--estimate-noise-from {ckpt}: no measured perception head there (train one "
+                                 "with `groundflow train estimator`)")
+    return tuple(float(x) for x in rmse)
+
+
 def _checkpoint_extra(data: ChunkData, args_json: dict, policy: Any) -> dict[str, Any]:
     """What every checkpoint of the run records beside its weights."""
     return {"env_id": data.env_id, "instructions": data.instructions, "train_args": args_json,
@@ -275,6 +289,7 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
                            state_ignore=tuple(_state_ignore(args.ignore_state + args.estimate_state, data)),
                            estimated_state=tuple(_state_ignore(args.estimate_state, data)),
                            estimate_noise=args.estimate_noise,
+                           estimate_noise_per_entry=_noise_from(args.estimate_noise_from),
                            state_relative=tuple(_state_relative(args.relative_state, data)))
         policy = make_policy(cfg)
         policy.fit_normalizer(data.state, data.action, data.instructions)

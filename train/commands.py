@@ -30,7 +30,10 @@ def _defaults(argv: list[str]) -> TrainArgs:
 def train_command(argv: list[str]) -> None:
     """``groundflow train``: behaviour cloning, with joint CIG when ``--cig.weight`` > 0."""
     args = tyro.cli(TrainArgs, args=argv, default=_defaults(argv), prog="groundflow train")
-    _print_summary(train(args))
+    summary = train(args)
+    _print_summary(summary)
+    if args.estimate_state:  # the policy cannot act before its perception head is trained
+        print(f"next: groundflow train estimator --from {summary['ckpt']} --out {Path(args.out)}_head")
 
 
 def train_cig_command(argv: list[str]) -> None:

@@ -184,7 +184,7 @@ def eval_command(argv: list[str]) -> None:
     args = tyro.cli(EvalArgs, args=argv, prog="groundflow eval")
     if args.episodes < 1:  # 0 episodes used to report a success rate of 0.0 and exit 0
         raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
-    policy = policies.load(args.ckpt)
+    policy = policies.load(args.ckpt, to_act=True)
     meta = policies.read_checkpoint_meta(args.ckpt)
     env_id = envs.suite_env_id(args.suite) if args.suite else (args.env or meta.get("extra", {}).get("env_id"))
     if env_id is None:
