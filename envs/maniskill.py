@@ -70,8 +70,8 @@ class ManiSkillEnv(GroundflowEnv):
             raise InvalidOptionError(f"{env_id}: image_size must be in [16, 1024], got {image_size}")
         cameras = tuple(cameras)
         obs_mode = "state+rgb" if cameras else "state"
-        if cameras and own_task:
-            task_options.setdefault("sensor_uids", cameras)
+        if own_task:  # build only the cameras asked for; state-only envs keep the one they always had
+            task_options.setdefault("sensor_uids", cameras or ("base_camera",))
         try:
             raw = gym.make(ms_id, obs_mode=obs_mode, sim_backend="cpu", render_backend="cpu",
                            control_mode=control_mode, reward_mode=reward_mode,
