@@ -5,9 +5,9 @@ every multi-instruction policy that works here reads the simulator's object pose
 behaviour-cloning loss alone did not make an image encoder find small objects (README, "Policies
 from pixels": PushCube scratch CNN 0.22 = blind). Here the object state the simulator records
 supervises a small estimator instead (the demos carry it; the checkpoint never reads it at run
-time), and the policy reads the estimate in place of the true value. The policy is trained on the
-true value plus noise of the estimator's size (``PolicyConfig.estimate_noise``), so it does not
-over-trust a value it will only ever see estimated.
+time), and the policy reads the estimate in place of the true value. The policy trains on the true
+value: noise on it (``PolicyConfig.estimate_noise``) was measured to hurt on the tabletop (README).
+Colour and camera-pose robustness come from the head's training images (``collect --randomize``).
 
 The estimator: per camera a small CNN with coordinate channels (CoordConv, Liu et al. 2018) and a
 spatial softmax (Levine et al. 2016) that reads out where its keypoints are, to sub-pixel

@@ -100,11 +100,12 @@ class TrainArgs:
     '*_goal_pos'); they are hidden from the policy's input. The head trains after the policy, with
     `groundflow train estimator` (see PolicyConfig.estimated_state)"""
     estimate_noise: float = _MODEL.estimate_noise
-    """std (state units) of the noise on the true --estimate-state values while the policy trains:
-    the perception head's error (see PolicyConfig.estimate_noise)"""
+    """std (state units) of the noise on the true --estimate-state values while the policy trains
+    (0: measured best on the tabletop, see PolicyConfig.estimate_noise)"""
     estimate_noise_from: Path | None = None
     """take the noise per --estimate-state entry from this checkpoint's perception head: its held-out
-    error (`groundflow train estimator` records it), so the policy expects the errors it will get"""
+    error (`groundflow train estimator` records it). Measured on the tabletop it hurts (0.57 against
+    0.86 with no noise, README): kept for other suites to measure, not recommended"""
     lang_norm: bool = _MODEL.lang_norm
     """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
     steps: int = 2000
