@@ -9,6 +9,11 @@ from typing import Any
 
 from train.bc import TrainArgs
 
+_MULTITASK: dict[str, Any] = {
+    "ignore_state": ("*vel", "*_acc"), "fusion": "early", "lang_norm": True, "state_hidden": 256, "horizon": 1,
+    "n_exec": 1, "batch_size": 256, "lr": 1e-3, "steps": 24000,
+    "bin_sigma": 1.0}  # AR only: one-hot bins overfit (tabletop 0.75 at 6k -> 0.35 at 24k)
+
 RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "chunked": (
         "single-task default: 16-step chunks, 8 executed, late fusion (PushCube 0.92, Adroit door 0.98)",
@@ -18,9 +23,16 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         "motion instead of reading the scene), the state encoder reads the centred instruction feature "
         "(early fusion + lang_norm) and the policy acts every step (H=1); 24k steps of 256 samples "
         "(benchmarks/grounding.py: tabletop flow 0.97, AR 0.65; kitchen flow 1.00)",
-        {"ignore_state": ("*vel", "*_acc"), "fusion": "early", "lang_norm": True, "state_hidden": 256,
-         "horizon": 1, "n_exec": 1, "batch_size": 256, "lr": 1e-3, "steps": 24000,
-         "bin_sigma": 1.0}),  # AR only: one-hot bins overfit (tabletop 0.75 at 6k -> 0.35 at 24k)
+        _MULTITASK),
+    "pixels": (
+        "a policy for a real arm on the tabletop suite: the multitask recipe reading the cube and goal positions "
+        "from a perception head over the workspace and wrist cameras (96 px) instead of the simulator; train the "
+        "head next with `groundflow train estimator` (benchmarks/pixels.py: 0.86 from clean demos' head, a "
+        "domain-randomized head for camera and lighting changes). Other suites name their own --cameras, "
+        "--ignore-state and --estimate-state",
+        {**_MULTITASK, "cameras": ("workspace_camera", "hand_camera"), "image_size": 96,
+         "ignore_state": ("*vel", "*_acc", "*_cube_pose", "*_goal_pos"),
+         "estimate_state": ("*_cube_pose[0:3]", "*_goal_pos[0:2]"), "estimate_noise": 0.0}),
 }
 
 
