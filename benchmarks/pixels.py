@@ -26,6 +26,7 @@ Parts (each writes its pieces under benchmarks/results/pixels_parts/, ``merge`` 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -113,7 +114,7 @@ def _gf(*args: str, log: Path | None = None) -> None:
         log.parent.mkdir(parents=True, exist_ok=True)
     with open(log or "/dev/null", "w") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _data(a: Args, which: str) -> list[Path]:
@@ -135,7 +136,7 @@ def collect(a: Args) -> None:
                    "--seed", str(seed), "--out", str(path), "--no-progress", *extra]
             print("$", " ".join(cmd[1:]), flush=True)
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}))
+                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
     if any(p.wait() for p in procs):
         raise SystemExit("a collection failed")
 
@@ -234,7 +235,6 @@ def deploy_part(a: Args) -> None:
     """The checkpoint behind ``groundflow serve``, driven by the deploy path (client, control loop,
     safety layer) on a simulated tabletop that renders the cameras: success and round trip per image
     encoding, the same episodes for each."""
-    import os
     import socket
     from deploy.client import robot_client
     from deploy.errors import PolicyUnavailableError
