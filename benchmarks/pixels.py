@@ -40,15 +40,43 @@ from common import RESULTS, ROOT, machine, md_table  # noqa: E402
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-SUITE_ENV = "maniskill/TabletopSuite-v1"
-CAMERAS = ("workspace_camera", "hand_camera")
-IMAGE_SIZE = 96
-FIXED = ("workspace_camera",)  # the wrist camera is rigid on the hand: a bumped camera is the fixed one
-CLEAN_SEEDS, DR_SEEDS, DEMOS_PER_SEED = (0, 20000), (40000, 60000), 600
-DR_RANDOMIZE = ("camera=0.08:workspace_camera", "lighting=0.6")
 EVAL_SEED = 200_000
-HIDE = ("*vel", "*_cube_pose", "*_goal_pos")
-ESTIMATE = ("*_cube_pose[0:3]", "*_goal_pos[0:2]")
+
+
+@dataclass(frozen=True)
+class Suite:
+    """Where a suite's pixel policies look and what their heads estimate."""
+
+    env: str
+    collect: tuple[str, ...]
+    """groundflow collect flags naming the task"""
+    cameras: tuple[str, ...]
+    fixed: tuple[str, ...]
+    """the cameras a bump can move (a wrist camera is rigid on the hand)"""
+    hide: tuple[str, ...]
+    estimate: tuple[str, ...]
+    recipe: str
+    clean_seeds: tuple[int, ...]
+    dr_seeds: tuple[int, ...]
+    demos_per_seed: int
+    steps: int | None = None
+    """policy steps (None: the recipe's)"""
+    image_size: int = 96
+
+    @property
+    def randomize(self) -> tuple[str, ...]:
+        return (f"camera=0.08:{','.join(self.fixed)}", "lighting=0.6")
+
+
+SUITES: dict[str, Suite] = {
+    "tabletop": Suite("maniskill/TabletopSuite-v1", ("--suite", "tabletop", "--layout", "random"),
+                      ("workspace_camera", "hand_camera"), ("workspace_camera",), ("*vel", "*_cube_pose", "*_goal_pos"),
+                      ("*_cube_pose[0:3]", "*_goal_pos[0:2]"), "multitask", (0, 20000), (40000, 60000), 600),
+    # ManiSkill's own task and camera: one view from the robot's side, the cube a few pixels wide at 96 px
+    "pushcube": Suite("maniskill/PushCube-v1", ("--env", "maniskill/PushCube-v1"), ("base_camera",), ("base_camera",),
+                      ("*vel", "extra/goal_pos", "extra/obj_pose"), ("extra/obj_pose[0:3]", "extra/goal_pos[0:2]"),
+                      "chunked", (0, 5000), (10000, 15000), 150, steps=6000),
+}
 PARTS = RESULTS / "pixels_parts"
 
 
@@ -83,6 +111,9 @@ METHODS: dict[str, Method] = {
     "head_dr_nonoise": Method("the policy of `head_nonoise` (exact object positions in training) with the head of "
                               "`head_dr` (domain-randomized demos)", estimate_noise=0.0, policy_from="head_nonoise",
                               head_from="head_dr"),
+    "recipe": Method("the recommended configuration in one row (as head_dr_nonoise): a policy on exact object "
+                     "positions, its head trained on clean + randomized demos", estimate_noise=0.0,
+                     head_data="clean+dr", head_steps=8000),
     "state": Method("control: the multitask recipe reading the simulator's object state (not deployable)",
                     estimate_noise=None),
 }
@@ -91,6 +122,7 @@ METHODS: dict[str, Method] = {
 @dataclass
 class Args:
     part: Literal["collect", "train", "eval", "latency", "deploy", "merge"] = "merge"
+    suite: Literal["tabletop", "pushcube"] = "tabletop"
     methods: tuple[str, ...] = ("head",)
     conditions: tuple[str, ...] = ("clean", "camera", "lighting")
     episodes: int = 120
@@ -118,21 +150,22 @@ def _gf(*args: str, log: Path | None = None) -> None:
 
 
 def _data(a: Args, which: str) -> list[Path]:
-    seeds = CLEAN_SEEDS if which == "clean" else DR_SEEDS
-    return [a.data / f"tabletop_{which}_s{s}.h5" for s in seeds]
+    su = SUITES[a.suite]
+    return [a.data / f"{a.suite}_{which}_s{s}.h5" for s in (su.clean_seeds if which == "clean" else su.dr_seeds)]
 
 
 def collect(a: Args) -> None:
     a.data.mkdir(parents=True, exist_ok=True)
+    su = SUITES[a.suite]
     need_dr = any(METHODS[m].head_data == "clean+dr" for m in a.methods)
     procs = []
     for which in ("clean", "dr") if need_dr else ("clean",):
-        for seed, path in zip(CLEAN_SEEDS if which == "clean" else DR_SEEDS, _data(a, which)):
+        for seed, path in zip(su.clean_seeds if which == "clean" else su.dr_seeds, _data(a, which)):
             if path.exists():
                 continue
-            extra = ["--randomize", *DR_RANDOMIZE] if which == "dr" else []
-            cmd = [str(ROOT / ".venv" / "bin" / "groundflow"), "collect", "--suite", "tabletop", "--episodes",
-                   str(DEMOS_PER_SEED), "--layout", "random", "--cameras", *CAMERAS, "--image-size", str(IMAGE_SIZE),
+            extra = ["--randomize", *su.randomize] if which == "dr" else []
+            cmd = [str(ROOT / ".venv" / "bin" / "groundflow"), "collect", *su.collect, "--episodes",
+                   str(su.demos_per_seed), "--cameras", *su.cameras, "--image-size", str(su.image_size),
                    "--seed", str(seed), "--out", str(path), "--no-progress", *extra]
             print("$", " ".join(cmd[1:]), flush=True)
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -143,26 +176,28 @@ def collect(a: Args) -> None:
 
 def _policy_dir(a: Args, name: str) -> Path:
     m = METHODS[name]
-    return a.runs / (m.policy_from or name) / "policy"
+    return a.runs / a.suite / (m.policy_from or name) / "policy"
 
 
 def _final_dir(a: Args, name: str) -> Path:
     """The checkpoint the method is evaluated with."""
-    return a.runs / name / ("policy" if METHODS[name].estimate_noise is None else "final") / "ckpt"
+    return a.runs / a.suite / name / ("policy" if METHODS[name].estimate_noise is None else "final") / "ckpt"
 
 
 def train(a: Args) -> None:
+    su = SUITES[a.suite]
     for name in a.methods:
         m = METHODS[name]
         pol = _policy_dir(a, name)
         if not (pol / "ckpt").exists():
-            flags = ["train", "--recipe", "multitask", "--data", *map(str, _data(a, "clean")), "--out", str(pol),
+            flags = ["train", "--recipe", su.recipe, "--data", *map(str, _data(a, "clean")), "--out", str(pol),
                      "--seed", str(a.seed), "--no-progress", "--wandb", "disabled"]
+            flags += ["--steps", str(su.steps)] if su.steps else []
             if m.estimate_noise is None:
                 flags += ["--ignore-state", "*vel"]
             else:
-                flags += ["--cameras", *CAMERAS, "--image-size", str(IMAGE_SIZE), "--ignore-state", *HIDE,
-                          "--estimate-state", *ESTIMATE, "--estimate-noise", str(m.estimate_noise)]
+                flags += ["--cameras", *su.cameras, "--image-size", str(su.image_size), "--ignore-state", *su.hide,
+                          "--estimate-state", *su.estimate, "--estimate-noise", str(m.estimate_noise)]
                 if m.noise_from:
                     flags += ["--estimate-noise-from", str(_final_dir(a, m.noise_from))]
             _gf(*flags, log=pol.with_suffix(".log"))
@@ -179,8 +214,8 @@ def train(a: Args) -> None:
         _gf(*head, log=final.with_suffix(".log"))
 
 
-def _piece(name: str, what: str) -> Path:
-    return PARTS / f"{name}_{what}.json"
+def _piece(a: Args, name: str, what: str) -> Path:
+    return PARTS / f"{a.suite}_{name}_{what}.json"
 
 
 def evaluate_part(a: Args) -> None:
@@ -189,22 +224,23 @@ def evaluate_part(a: Args) -> None:
     from envs.perturbations import perturb
     from train.evaluate import evaluate
     PARTS.mkdir(parents=True, exist_ok=True)
+    su = SUITES[a.suite]
     for name in a.methods:
         policy = policies.load(_final_dir(a, name), to_act=True)
-        opts = {"cameras": CAMERAS, "image_size": IMAGE_SIZE}
+        opts = {"cameras": su.cameras, "image_size": su.image_size}
         for cond in a.conditions:
-            env = envs.make(SUITE_ENV, **opts)
+            env = envs.make(su.env, **opts)
             pseed = 1 if a.eval_seed == EVAL_SEED else a.eval_seed
             if cond == "camera":
-                env = perturb(env, "camera", magnitude=0.05, rotation_deg=5.0, cameras=FIXED, seed=pseed)
+                env = perturb(env, "camera", magnitude=0.05, rotation_deg=5.0, cameras=su.fixed, seed=pseed)
             elif cond == "lighting":
                 env = perturb(env, "lighting", magnitude=0.5, seed=pseed)
             t0 = time.time()
-            r = evaluate(policy, SUITE_ENV, a.episodes, seed=a.eval_seed, env=env, progress=True).to_dict()
+            r = evaluate(policy, su.env, a.episodes, seed=a.eval_seed, env=env, progress=True).to_dict()
             env.close()
             r.update(condition=cond, method=name, minutes=(time.time() - t0) / 60, eval_seed=a.eval_seed)
             tag = "" if a.eval_seed == EVAL_SEED else f"_recheck{a.eval_seed}"
-            _piece(name + tag, cond).write_text(json.dumps(r, indent=2))
+            _piece(a, name + tag, cond).write_text(json.dumps(r, indent=2))
             print(f"{name} {cond}: {r['success_rate']:.3f} {r['ci95']}", flush=True)
 
 
@@ -214,7 +250,8 @@ def latency(a: Args) -> None:
     import policies
     torch.set_num_threads(1)
     PARTS.mkdir(parents=True, exist_ok=True)
-    env = envs.make(SUITE_ENV, cameras=CAMERAS, image_size=IMAGE_SIZE)
+    su = SUITES[a.suite]
+    env = envs.make(su.env, cameras=su.cameras, image_size=su.image_size)
     obs, _ = env.reset(seed=EVAL_SEED)
     for name in a.methods:
         policy = policies.load(_final_dir(a, name), to_act=True)
@@ -225,7 +262,7 @@ def latency(a: Args) -> None:
             t0 = time.perf_counter()
             policy.predict_action_chunk(obs)
             ts.append((time.perf_counter() - t0) * 1e3)
-        _piece(name, "latency").write_text(json.dumps({"p50_ms": float(np.median(ts)),
+        _piece(a, name, "latency").write_text(json.dumps({"p50_ms": float(np.median(ts)),
                                                         "p90_ms": float(np.percentile(ts, 90))}))
         print(f"{name}: chunk p50 {np.median(ts):.1f} ms", flush=True)
     env.close()
@@ -233,7 +270,7 @@ def latency(a: Args) -> None:
 
 def deploy_part(a: Args) -> None:
     """The checkpoint behind ``groundflow serve``, driven by the deploy path (client, control loop,
-    safety layer) on a simulated tabletop that renders the cameras: success and round trip per image
+    safety layer) on the simulated suite rendering the cameras: success and round trip per image
     encoding, the same episodes for each."""
     import socket
     from deploy.client import robot_client
@@ -243,7 +280,10 @@ def deploy_part(a: Args) -> None:
     from deploy.sim_robot import SimRobot
     import envs
     PARTS.mkdir(parents=True, exist_ok=True)
-    suite = envs.make(SUITE_ENV).suite
+    su = SUITES[a.suite]
+    probe_env = envs.make(su.env)
+    instructions = probe_env.suite.instructions if probe_env.suite else None
+    probe_env.close()
     for name in a.methods:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -253,8 +293,8 @@ def deploy_part(a: Args) -> None:
                                   cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            opts = {"cameras": CAMERAS, "image_size": IMAGE_SIZE}
-            probe = SimRobot(SUITE_ENV, env_options=opts)
+            opts = {"cameras": su.cameras, "image_size": su.image_size}
+            probe = SimRobot(su.env, env_options=opts)
             probe.connect()
             spec = probe.spec
             probe.close()
@@ -269,13 +309,13 @@ def deploy_part(a: Args) -> None:
                         time.sleep(1.0)
                 else:
                     raise SystemExit(f"groundflow serve on port {port} did not answer")
-                r = evaluate_via_server(SUITE_ENV, client, a.server_episodes, seed=EVAL_SEED, env_options=opts,
-                                        instructions=suite.instructions)
+                r = evaluate_via_server(su.env, client, a.server_episodes, seed=EVAL_SEED, env_options=opts,
+                                        instructions=instructions)
                 client.close()
                 out[enc] = {k: r[k] for k in ("n_episodes", "success_rate", "ci95", "rtt_p50_ms")}
                 print(f"{name} via server ({enc}): {r['success_rate']:.2f} {r['ci95']}, rtt p50 {r['rtt_p50_ms']} ms",
                       flush=True)
-            _piece(name, "deploy").write_text(json.dumps(out, indent=2))
+            _piece(a, name, "deploy").write_text(json.dumps(out, indent=2))
         finally:
             server.terminate()
             server.wait(30)
@@ -295,47 +335,61 @@ def _minutes(a: Args, name: str) -> float | None:
     return total / 60
 
 
-def merge(a: Args) -> None:
+def _suite_rows(a: Args) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(rows, perception heads, re-checks) of ``a.suite`` from the pieces its parts wrote."""
     rows: dict[str, Any] = {}
     heads: dict[str, Any] = {}
     for name in METHODS:
-        clean = _piece(name, "clean")
+        clean = _piece(a, name, "clean")
         if not clean.exists():
             continue
         r = json.loads(clean.read_text())
-        lat = _piece(name, "latency")
-        cond = {c: json.loads(_piece(name, c).read_text()) for c in ("camera", "lighting") if _piece(name, c).exists()}
+        lat, dep = _piece(a, name, "latency"), _piece(a, name, "deploy")
+        cond = {c: json.loads(_piece(a, name, c).read_text()) for c in ("camera", "lighting")
+                if _piece(a, name, c).exists()}
         ckpt = json.loads((_final_dir(a, name) / "config.json").read_text())
         inputs = ckpt["extra"].get("inputs", {})
         rows[name] = {
             "success": r["success_rate"], "ci95": r["ci95"], "episodes": r["episodes"],
-            "train_minutes": _minutes(a, name), "image_size": IMAGE_SIZE if inputs.get("cameras") else None,
+            "train_minutes": _minutes(a, name),
+            "image_size": SUITES[a.suite].image_size if inputs.get("cameras") else None,
             "cameras": inputs.get("cameras", []), "reads_object_state": bool(inputs.get("reads_object_state")),
             "camera_shift": cond["camera"]["success_rate"] if "camera" in cond else None,
             "camera_shift_ci95": cond["camera"]["ci95"] if "camera" in cond else None,
             "lighting": cond["lighting"]["success_rate"] if "lighting" in cond else None,
             "lighting_ci95": cond["lighting"]["ci95"] if "lighting" in cond else None,
             "latency_ms_p50": json.loads(lat.read_text())["p50_ms"] if lat.exists() else None,
-            "via_server": json.loads(_piece(name, "deploy").read_text()) if _piece(name, "deploy").exists() else None,
+            "via_server": json.loads(dep.read_text()) if dep.exists() else None,
             "did_other_task": r["did_other_task_rate"], "per_instruction": {
                 k: v["success_rate"] for k, v in r["per_instruction"].items()},
             "note": METHODS[name].note}
         if "estimator" in ckpt["extra"] and not METHODS[name].head_from:  # a copied head's split is not held out
             heads[name] = ckpt["extra"]["estimator"]
-    rechecks = {}
-    for path in sorted(PARTS.glob("*_recheck*_*.json")):
+    rechecks: dict[str, Any] = {}
+    for path in sorted(PARTS.glob(f"{a.suite}_*_recheck*_*.json")):
         r = json.loads(path.read_text())
         rechecks.setdefault(r["method"], {})[f"{r['condition']}@{r['eval_seed']}"] = {
             "success": r["success_rate"], "ci95": r["ci95"], "episodes": r["episodes"]}
-    # recommended: the best clean success among deployable rows that keep >= 0.8 x it under both perturbations
-    robust = {k: v for k, v in rows.items() if not v["reads_object_state"] and v["camera_shift"] is not None
-              and v["lighting"] is not None and min(v["camera_shift"], v["lighting"]) >= 0.8 * v["success"]}
-    best = max(robust, key=lambda k: robust[k]["success"]) if robust else None
-    out = {"suites": {"tabletop": rows}, "recommended": {"tabletop": best} if best else {},
-           "perception_heads": heads, "rechecks": rechecks, "cig": {}, "eval_seed": EVAL_SEED, "machine": machine(),
-           "setup": {"env": SUITE_ENV, "cameras": list(CAMERAS), "image_size": IMAGE_SIZE,
-                     "demos": len(CLEAN_SEEDS) * DEMOS_PER_SEED, "camera_shift": "fixed camera moved 5 cm, turned 5 deg",
-                     "lighting": "lights x0.67-1.5 with a tint (magnitude 0.5)"}}
+    return rows, heads, rechecks
+
+
+def merge(a: Args) -> None:
+    out: dict[str, Any] = {"suites": {}, "recommended": {}, "perception_heads": {}, "rechecks": {}, "cig": {},
+                           "eval_seed": EVAL_SEED, "machine": machine(), "setup": {}}
+    for suite, su in SUITES.items():
+        rows, heads, rechecks = _suite_rows(Args(**{**a.__dict__, "suite": suite}))
+        if not rows:
+            continue
+        # recommended: the best clean success among deployable rows keeping >= 0.8 x it under both perturbations
+        robust = {k: v for k, v in rows.items() if not v["reads_object_state"] and v["camera_shift"] is not None
+                  and v["lighting"] is not None and min(v["camera_shift"], v["lighting"]) >= 0.8 * v["success"]}
+        if robust:
+            out["recommended"][suite] = max(robust, key=lambda k: robust[k]["success"])
+        out["suites"][suite], out["perception_heads"][suite], out["rechecks"][suite] = rows, heads, rechecks
+        out["setup"][suite] = {"env": su.env, "cameras": list(su.cameras), "image_size": su.image_size,
+                               "demos": len(su.clean_seeds) * su.demos_per_seed,
+                               "camera_shift": f"{', '.join(su.fixed)} moved 5 cm, turned 5 deg",
+                               "lighting": "lights x0.67-1.5 with a tint (magnitude 0.5)"}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "pixels.json").write_text(json.dumps(out, indent=2))
     (RESULTS / "pixels.md").write_text(_table(out))
@@ -349,22 +403,26 @@ def _fmt(x: float | None, ci: list | None = None) -> str:
 
 
 def _table(out: dict[str, Any]) -> str:
-    rows = []
-    for name, r in out["suites"]["tabletop"].items():
-        rows.append([name, "yes" if r["reads_object_state"] else "no", _fmt(r["success"], r["ci95"]),
-                     _fmt(r["camera_shift"], r.get("camera_shift_ci95")), _fmt(r["lighting"], r.get("lighting_ci95")),
-                     str(r["episodes"]), _fmt(r["train_minutes"]), _fmt(r["latency_ms_p50"])])
-    head_rows = [[k, f"{1000 * v['heldout_rmse_mean']:.1f}", f"{1000 * v['train_rmse_mean']:.1f}",
-                  str(v["heldout_frames"]), str(v["steps"])] for k, v in out["perception_heads"].items()]
-    re_rows = [[m, cond, _fmt(v["success"], v["ci95"]), str(v["episodes"])]
-               for m, conds in out.get("rechecks", {}).items() for cond, v in conds.items()]
-    recheck = ("\n\n## Re-checks on other episodes (condition@first seed; the camera moves and lights drawn anew)\n\n"
-               + md_table(["method", "condition", "success [95% CI]", "episodes"], re_rows)) if re_rows else ""
-    return ("## Tabletop suite from cameras (12 instructions, random layouts)\n\n"
-            + md_table(["method", "reads object state", "success [95% CI]", "camera shift", "lighting", "episodes",
-                        "train min", "chunk p50 ms"], rows)
-            + "\n\n## Perception heads: error on held-out demo frames (mm, RMS over the estimated coordinates)\n\n"
-            + md_table(["method", "held-out", "training frames", "held-out frames", "steps"], head_rows) + recheck + "\n")
+    text = []
+    for suite, rows in out["suites"].items():
+        su = out["setup"][suite]
+        table = [[name, "yes" if r["reads_object_state"] else "no", _fmt(r["success"], r["ci95"]),
+                  _fmt(r["camera_shift"], r.get("camera_shift_ci95")), _fmt(r["lighting"], r.get("lighting_ci95")),
+                  str(r["episodes"]), _fmt(r["train_minutes"]), _fmt(r["latency_ms_p50"])] for name, r in rows.items()]
+        text.append(f"## {suite} from cameras ({su['env']}, {', '.join(su['cameras'])}, {su['image_size']} px)\n\n"
+                    + md_table(["method", "reads object state", "success [95% CI]", "camera shift", "lighting",
+                                "episodes", "train min", "chunk p50 ms"], table))
+        heads = [[k, f"{1000 * v['heldout_rmse_mean']:.1f}", f"{1000 * v['train_rmse_mean']:.1f}",
+                  str(v["heldout_frames"]), str(v["steps"])] for k, v in out["perception_heads"][suite].items()]
+        text.append(f"### {suite}: perception heads, error on held-out demo frames (mm, RMS over the estimated "
+                    "coordinates)\n\n" + md_table(["method", "held-out", "training frames", "held-out frames",
+                                                   "steps"], heads))
+        re_rows = [[m, cond, _fmt(v["success"], v["ci95"]), str(v["episodes"])]
+                   for m, conds in out["rechecks"][suite].items() for cond, v in conds.items()]
+        if re_rows:
+            text.append(f"### {suite}: re-checks on other episodes (condition@first seed; camera moves and lights "
+                        "drawn anew)\n\n" + md_table(["method", "condition", "success [95% CI]", "episodes"], re_rows))
+    return "\n".join(text)
 
 
 def main(a: Args) -> None:

@@ -23,7 +23,7 @@ import policies
 from deploy.cameras import CameraRig, parse_cameras
 from deploy.client import parse_address, robot_client
 from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
-from deploy.errors import DeployError
+from deploy.errors import DeployError, HandshakeError, PolicyUnavailableError
 from deploy.franka import FrankaRobot
 from deploy.franka_sim import FrankySim
 from deploy.recording import Recorder
@@ -35,6 +35,8 @@ from deploy.ur import URRobot
 from deploy.xarm import XArmRobot
 from envs.errors import InvalidOptionError
 from policies.rtc import RTCConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,6 +131,8 @@ class DeployArgs:
     """env seed (sim) and base seed of the policy's sampling noise"""
     log_level: str = "WARNING"
     """logging level (safety interventions log at WARNING)"""
+    force: bool = False
+    """--robot sim: run a policy trained on another env, or reading state slices this env lacks"""
 
 
 def load_policy(args: ServeArgs):
@@ -196,6 +200,40 @@ def _make_driver(args: DeployArgs, stack: list):
     return XArmRobot(args.robot_host, instruction=args.instruction or "", control_rate_hz=args.rate)
 
 
+def check_policy_fits_env(meta: dict, robot, args: DeployArgs) -> None:
+    """--robot sim: refuse a policy whose announced env id differs from --env, or which reads state
+    slices the simulated env does not have (same dims are not the same task); --force runs it anyway.
+    A server or checkpoint that announces neither (older ones) passes with a warning."""
+    env = getattr(robot, "env", None)
+    env = getattr(env, "unwrapped", env)
+    names = {args.env, getattr(env, "env_id", None)} - {None}
+    layout = getattr(env, "state_layout", None)
+    env_id, inputs = meta.get("env_id"), meta.get("inputs")
+    state = inputs.get("state") if isinstance(inputs, dict) else None
+    problems = []
+    if env_id is None:
+        log.warning("the policy server does not announce the env its policy was trained on (an older checkpoint or "
+                    "server): cannot check that it fits --env %s", args.env)
+    elif env_id not in names:
+        problems.append(f"the policy was trained on {env_id}, this robot simulates {args.env}")
+    if state is None:
+        log.warning("the policy server does not announce the state slices its policy reads: cannot check them "
+                    "against --env %s", args.env)
+    elif layout is None:
+        log.warning("--env %s does not name its state slices: cannot check the policy's %s", args.env, state)
+    else:
+        missing = [n for n in state if n not in {name for name, _ in layout}]
+        if missing:
+            problems.append(f"the policy reads state slices {missing} that {args.env} does not have")
+    if not problems:
+        return
+    if args.force:
+        log.warning("--force: running a policy that does not fit --env %s: %s", args.env, "; ".join(problems))
+        return
+    raise HandshakeError(f"policy server {args.server} does not fit --env {args.env}: {'; '.join(problems)} "
+                         f"(--force runs it anyway)")
+
+
 def deploy(argv: list[str]) -> None:
     args = tyro.cli(DeployArgs, args=argv, prog="groundflow deploy")
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
@@ -206,13 +244,19 @@ def deploy(argv: list[str]) -> None:
     host, port = parse_address(args.server)
     stack: list = []
     robot = make_robot(args, stack)
-    recorder = None
+    recorder, recorded = None, ""
     try:
         robot.connect()
         spec = robot.spec
         # a chunk beyond what the safety layer calls far out of limits is refused whole (deploy/client.py)
         client = robot_client(host, port, spec, SafetyConfig.far_margin, timeout=args.timeout,
                               image_encoding=args.image_encoding, jpeg_quality=args.jpeg_quality)
+        if args.robot == "sim":  # a real arm is no sim env: only the client's camera check applies to it
+            try:
+                check_policy_fits_env(client.metadata, robot, args)
+            except HandshakeError:
+                client.close()
+                raise
         ws = args.workspace
         fk = getattr(robot, "forward_kinematics", None) if ws else None
         if ws and fk is None:
@@ -231,7 +275,7 @@ def deploy(argv: list[str]) -> None:
         # a simulated suite must be given the task too, or success is judged on its default task
         suite_env = getattr(getattr(robot, "env", None), "suite", None) is not None
         commanded = {"instruction": args.instruction} if args.instruction and suite_env else None
-        results = []
+        results, lost = [], None
         with safety.signal_stop():
             if not args.lockstep:
                 safety.start_watchdog()
@@ -239,7 +283,12 @@ def deploy(argv: list[str]) -> None:
                 for i in range(args.episodes):
                     if hasattr(robot, "reset") and (i > 0 or commanded):
                         robot.reset(args.seed + i, options=commanded)
-                    res = loop.run_episode(seed=args.seed + i, task_id=getattr(robot, "task_id", 0))  # 0: a real arm
+                    try:
+                        res = loop.run_episode(seed=args.seed + i, task_id=getattr(robot, "task_id", 0))  # 0: arm
+                    except PolicyUnavailableError as e:  # no server to (re)connect to: keep what was recorded
+                        rest = args.episodes - i - 1
+                        lost = f"episode {i} could not start{f' ({rest} more not run)' if rest else ''}: {e}"
+                        break
                     results.append(res.summary())
                     print(json.dumps(results[-1]), flush=True)
                     if res.reason in ("stop_signal", "driver_error"):
@@ -247,9 +296,19 @@ def deploy(argv: list[str]) -> None:
             finally:
                 safety.stop_watchdog()
         if recorder is not None:
-            print(json.dumps({"recorded": str(recorder.close()), "episodes": recorder.n_episodes}))
+            path = recorder.close()
+            recorded = f"; the {recorder.n_episodes} episode(s) recorded are in {path}"
+            print(json.dumps({"recorded": str(path), "episodes": recorder.n_episodes}))
             recorder = None
         client.close()
+    except BaseException as e:
+        if recorder is not None:
+            recorder.abort()
+            partial = recorder.writer.tmp
+            recorder = None
+            if isinstance(e, DeployError) and partial.exists():  # the last line must say where the episodes are
+                raise type(e)(f"{e}; the episodes recorded so far are in {partial}") from e
+        raise
     finally:
         if recorder is not None:
             recorder.abort()
@@ -260,5 +319,10 @@ def deploy(argv: list[str]) -> None:
         for s in stack:
             s.stop()
     abnormal = [f"episode {i}: {r['reason']}" for i, r in enumerate(results) if r["reason"] not in NORMAL_ENDS]
+    if lost is not None:
+        abnormal.append(lost)
     if abnormal:  # a script or service manager must see that the run did not go as asked
-        raise DeployError(f"{len(abnormal)} of {args.episodes} episode(s) ended abnormally ({'; '.join(abnormal)})")
+        what = (f"the policy server {args.server} was lost; " if lost or any("policy_lost" in a for a in abnormal)
+                else "")
+        raise DeployError(f"{what}{len(abnormal)} of {args.episodes} episode(s) ended abnormally "
+                          f"({'; '.join(abnormal)}){recorded}")

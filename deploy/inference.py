@@ -49,7 +49,8 @@ def policy_metadata(policy: Any, max_message_bytes: int, margin: float = protoco
             "max_instruction_chars": protocol.MAX_INSTRUCTION_CHARS,
             # by name, where the checkpoint recorded them: cameras, state slices read, slices estimated from
             # the images, and whether it reads object state a physical arm cannot measure
-            "inputs": getattr(policy, "inputs", None)}
+            "inputs": getattr(policy, "inputs", None),
+            "env_id": getattr(policy, "env_id", None)}  # the env or suite it was trained on (None: not recorded)
 
 
 def seed_everything(seed: int) -> None:

@@ -45,7 +45,7 @@ class MotionPlanningExpert:
         self.planned_success = False
 
     def reset(self, env: Any, obs: dict) -> None:
-        genv = env.unwrapped if hasattr(env, "unwrapped") and not hasattr(env, "raw") else env
+        genv = env.unwrapped if hasattr(env, "unwrapped") else env  # through perturbation wrappers too
         if genv.control_mode != "pd_joint_pos":
             raise ValueError(f"the motion-planning expert acts in pd_joint_pos, env uses {genv.control_mode}")
         raw = genv.raw

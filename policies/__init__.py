@@ -40,6 +40,7 @@ def load(directory: str | os.PathLike, device: str = "cpu", to_act: bool = False
     load_weights(model, directory, meta)
     # what it reads at run time, by name (cameras, state slices, estimated slices), where training recorded it
     model.inputs = meta.get("extra", {}).get("inputs")
+    model.env_id = meta.get("extra", {}).get("env_id")
     return model.to(device)
 
 

@@ -59,6 +59,7 @@ def sinusoidal(t: torch.Tensor, dim: int) -> torch.Tensor:
 class VLAModel(nn.Module):
     kind = ""  # "flow" | "ar": the family a subclass implements, recorded in its config
     inputs: dict | None = None
+    env_id: str | None = None  # the env or suite the checkpoint was trained on (set by ``policies.load``)
     """what the checkpoint reads at run time, by name (``train.bc.policy_inputs``; set by ``policies.load``)"""
     supports_prefix = False
     """True where ``predict_action_chunk`` can continue a committed plan (real-time chunking by
