@@ -1,14 +1,15 @@
 """Multi-instruction policies from cameras and proprioception, with no object state at run time.
 
-The tabletop suite (12 instructions, random layouts) seen by a fixed camera that frames the
-workspace (``workspace_camera``) and a wrist camera (``hand_camera``), 96 px. Methods share the demos
+``--suite tabletop`` (12 instructions, random layouts) is seen by a fixed camera that frames the
+workspace (``workspace_camera``) and a wrist camera (``hand_camera``), 96 px; ``--suite pushcube``
+(configured, not yet run) by ManiSkill's own ``base_camera`` (``SUITES``). Methods share the demos
 and the evaluation seeds; each is a policy plus, where it sees, a perception head
 (``--estimate-state``: object positions estimated from the images and the proprioception; the
 simulator's value supervises training only). Control rows read the object state and say so.
 
 Parts (each writes its pieces under benchmarks/results/pixels_parts/, ``merge`` joins them):
 
-- ``collect``: the demos (two processes, seeds 0 and 20000, 600 episodes each), and for ``_dr``
+- ``collect``: the tabletop's demos (two processes, seeds 0 and 20000, 600 episodes each), and for ``_dr``
   methods 1200 more with the fixed camera moved (up to 8 cm and 8 degrees) and the lights changed
   (up to x1.6 with a tint) per episode, seeds 40000 and 60000;
 - ``train``: per method, the policy (the multitask recipe) then its perception head;
