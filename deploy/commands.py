@@ -65,6 +65,20 @@ class ServeArgs:
     """0: serve only the checkpoint's instructions; N > 0: also encode others, keeping the N most recent"""
     seed: int = 0
 
+    def check(self) -> None:
+        """One clear line instead of a traceback from the socket or the server (after parsing, so the
+        error is the command's one line, not the parser's box)."""
+        _check_ranges(("--port", self.port, 0, 65535), ("--max-message-mb", self.max_message_mb, 1e-3, 1024),
+                      ("--idle-timeout", self.idle_timeout, 0, float("inf")),
+                      ("--max-connections", self.max_connections, 1, 4096), ("--paraphrases", self.paraphrases, 0, 1e6))
+
+
+def _check_ranges(*checks: tuple[str, float, float, float]) -> None:
+    """Refuse a numeric flag outside [lo, hi] (or NaN), naming it."""
+    for flag, value, lo, hi in checks:
+        if not lo <= value <= hi:
+            raise InvalidOptionError(f"{flag} must be in [{lo:g}, {hi:g}], got {value}")
+
 
 @dataclass
 class DeployArgs:
@@ -134,6 +148,15 @@ class DeployArgs:
     force: bool = False
     """--robot sim: run a policy trained on another env, or reading state slices this env lacks"""
 
+    def check(self) -> None:
+        """A rate of 0 divides by zero deep in the loop: say so up front, in one line."""
+        inf = float("inf")
+        _check_ranges(("--rate", self.rate, 1e-3, 10000), ("--timeout", self.timeout, 1e-3, 3600),
+                      ("--max-steps", self.max_steps, 1, 10**7), ("--latency-ms", self.latency_ms, 0, 60000),
+                      ("--action-delay", self.action_delay, 0, 10**4), ("--watchdog-s", self.watchdog_s, 1e-3, inf),
+                      ("--velocity-scale", self.velocity_scale, 1e-6, inf), ("--sim-image-size", self.sim_image_size,
+                                                                             16, 1024))
+
 
 def load_policy(args: ServeArgs):
     if (args.ckpt is None) == (args.scripted is None):
@@ -147,6 +170,7 @@ def load_policy(args: ServeArgs):
 
 def serve(argv: list[str]) -> None:
     args = tyro.cli(ServeArgs, args=argv, prog="groundflow serve")
+    args.check()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     policy = load_policy(args)
     server = PolicyServer(policy, args.host, args.port, max_message_bytes=int(args.max_message_mb * 2 ** 20),
@@ -236,6 +260,7 @@ def check_policy_fits_env(meta: dict, robot, args: DeployArgs) -> None:
 
 def deploy(argv: list[str]) -> None:
     args = tyro.cli(DeployArgs, args=argv, prog="groundflow deploy")
+    args.check()
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
     if args.episodes < 1:
         raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")

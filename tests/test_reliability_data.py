@@ -505,3 +505,18 @@ def test_train_states_saved_before_digests_and_random_states_still_resume(tiny_r
     torch.save(st, out / "train_state.pt")
     with pytest.warns(UserWarning, match="random states"):
         assert train(TrainArgs(steps=3, out=out, resume=True, **kw))["steps"] == 3
+
+
+def test_bad_serve_and_deploy_flags_are_one_clear_error_each(capsys):
+    """Before: `serve --port 99999` ended in an OverflowError traceback from bind(), `--max-message-mb -1`
+    served with a negative limit, and `deploy --rate 0` went on to connect (and would divide by zero)."""
+    scripted = ["serve", "--scripted", "joint_target", "--state-dim", "3", "--action-dim", "2", "--target", "0", "0"]
+    for argv, needles in [
+        (scripted + ["--port", "99999"], ["--port", "99999"]),
+        (scripted + ["--max-message-mb", "-1"], ["--max-message-mb", "-1"]),
+        (scripted + ["--max-connections", "0"], ["--max-connections"]),
+        (["deploy", "--robot", "sim", "--rate", "0"], ["--rate", "0"]),
+        (["deploy", "--robot", "sim", "--timeout", "-1"], ["--timeout"]),
+        (["deploy", "--robot", "sim", "--max-steps", "0"], ["--max-steps"]),
+    ]:
+        _one_line_error(capsys, argv, *needles)

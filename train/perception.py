@@ -50,7 +50,8 @@ class EstimatorArgs:
     keep a trained head for a retrained policy (--steps 0: copy it and measure its error)"""
     progress: bool = True
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
+        """Refuse flags that train nothing (one line, after parsing)."""
         if self.steps < (0 if self.estimator_from else 1) or self.batch_size < 1:
             raise InvalidOptionError(f"--steps must be >= 1 (>= 0 with --estimator-from) and --batch-size >= 1, "
                                      f"got {self.steps}, {self.batch_size}")
@@ -95,6 +96,7 @@ def _copy_head(policy: Any, source: Any, where: Path) -> None:
 
 
 def train_estimator(args: EstimatorArgs, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    args.check()
     meta = policies.read_checkpoint_meta(args.init_from)
     policy = policies.load(args.init_from)
     c = policy.config
