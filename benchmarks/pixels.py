@@ -79,6 +79,8 @@ SUITES: dict[str, Suite] = {
                       "chunked", (0, 5000), (10000, 15000), 150, steps=6000),
 }
 PARTS = RESULTS / "pixels_parts"
+GROUNDFLOW = str(ROOT / ".venv" / "bin" / "groundflow")
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the results were measured
 
 
 @dataclass(frozen=True)
@@ -141,13 +143,13 @@ class Args:
 
 def _gf(*args: str, log: Path | None = None) -> None:
     """Run a ``groundflow`` command (one torch thread, as the results were measured)."""
-    cmd = [str(ROOT / ".venv" / "bin" / "groundflow"), *args]
+    cmd = [GROUNDFLOW, *args]
     print("$", " ".join(cmd[1:]), flush=True)
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
     with open(log or "/dev/null", "w") as out:
         subprocess.run(cmd, check=True, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env=ONE_THREAD)
 
 
 def _data(a: Args, which: str) -> list[Path]:
@@ -165,12 +167,12 @@ def collect(a: Args) -> None:
             if path.exists():
                 continue
             extra = ["--randomize", *su.randomize] if which == "dr" else []
-            cmd = [str(ROOT / ".venv" / "bin" / "groundflow"), "collect", *su.collect, "--episodes",
+            cmd = [GROUNDFLOW, "collect", *su.collect, "--episodes",
                    str(su.demos_per_seed), "--cameras", *su.cameras, "--image-size", str(su.image_size),
                    "--seed", str(seed), "--out", str(path), "--no-progress", *extra]
             print("$", " ".join(cmd[1:]), flush=True)
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                          env={**os.environ, "OMP_NUM_THREADS": "1"}))
+                                          env=ONE_THREAD))
     if any(p.wait() for p in procs):
         raise SystemExit("a collection failed")
 
@@ -289,9 +291,9 @@ def deploy_part(a: Args) -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "groundflow"), "serve", "--ckpt",
+        server = subprocess.Popen([GROUNDFLOW, "serve", "--ckpt",
                                    str(_final_dir(a, name)), "--host", "127.0.0.1", "--port", str(port)],
-                                  cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                  cwd=ROOT, env=ONE_THREAD,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             opts = {"cameras": su.cameras, "image_size": su.image_size}

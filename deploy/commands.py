@@ -150,12 +150,14 @@ class DeployArgs:
 
     def check(self) -> None:
         """A rate of 0 divides by zero deep in the loop: say so up front, in one line."""
+        if self.episodes < 1:
+            raise InvalidOptionError(f"--episodes must be >= 1, got {self.episodes}")
         inf = float("inf")
         _check_ranges(("--rate", self.rate, 1e-3, 10000), ("--timeout", self.timeout, 1e-3, 3600),
                       ("--max-steps", self.max_steps, 1, 10**7), ("--latency-ms", self.latency_ms, 0, 60000),
                       ("--action-delay", self.action_delay, 0, 10**4), ("--watchdog-s", self.watchdog_s, 1e-3, inf),
-                      ("--velocity-scale", self.velocity_scale, 1e-6, inf), ("--sim-image-size", self.sim_image_size,
-                                                                             16, 1024))
+                      ("--velocity-scale", self.velocity_scale, 1e-6, inf),
+                      ("--sim-image-size", self.sim_image_size, 16, 1024), ("--jpeg-quality", self.jpeg_quality, 1, 100))
 
 
 def load_policy(args: ServeArgs):
@@ -262,10 +264,6 @@ def deploy(argv: list[str]) -> None:
     args = tyro.cli(DeployArgs, args=argv, prog="groundflow deploy")
     args.check()
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING))
-    if args.episodes < 1:
-        raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
-    if not 1 <= args.jpeg_quality <= 100:
-        raise InvalidOptionError(f"--jpeg-quality must be in [1, 100], got {args.jpeg_quality}")
     host, port = parse_address(args.server)
     stack: list = []
     robot = make_robot(args, stack)

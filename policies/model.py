@@ -59,8 +59,9 @@ def sinusoidal(t: torch.Tensor, dim: int) -> torch.Tensor:
 class VLAModel(nn.Module):
     kind = ""  # "flow" | "ar": the family a subclass implements, recorded in its config
     inputs: dict | None = None
-    env_id: str | None = None  # the env or suite the checkpoint was trained on (set by ``policies.load``)
     """what the checkpoint reads at run time, by name (``train.bc.policy_inputs``; set by ``policies.load``)"""
+    env_id: str | None = None
+    """the env or suite the checkpoint was trained on (set by ``policies.load``)"""
     supports_prefix = False
     """True where ``predict_action_chunk`` can continue a committed plan (real-time chunking by
     prefix inpainting, ``policies.rtc``): flow policies, whose sampler takes a guide"""
@@ -92,6 +93,8 @@ class VLAModel(nn.Module):
                                          c.estimator_keypoints, shift=c.image_shift, jitter=c.image_jitter)
                           if c.estimated_state else None)
         self.register_buffer("estimated_idx", torch.tensor(c.estimated_state, dtype=torch.long), persistent=False)
+        noise = c.estimate_noise_per_entry or (c.estimate_noise,) * len(c.estimated_state)
+        self.register_buffer("estimate_noise_std", torch.tensor(noise, dtype=torch.float32), persistent=False)
         self.vision = (ImageEncoder(d, c.cameras, backbone=c.vision, frozen=c.vision_frozen, shift=c.image_shift,
                                     pool=c.image_pool, jitter=c.image_jitter)
                        if c.cameras and self.estimator is None else None)
@@ -145,9 +148,7 @@ class VLAModel(nn.Module):
             images = batch.get("images")
             if images is None:
                 raise PolicyMismatchError(f"policy needs cameras {list(self.config.cameras)}, batch has no images")
-            imgs = {k: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v, device=dev)
-                    for k, v in images.items()}
-            itok = self.vision(imgs)
+            itok = self.vision(self._image_tensors(images))
             if self.aux_head is not None and self.training and torch.is_grad_enabled():
                 target = self.normalizer.state(state)[:, self.state_hidden_idx]
                 self._aux_loss = ((self.aux_head(itok.flatten(1)) - target) ** 2).mean()
@@ -180,10 +181,7 @@ class VLAModel(nn.Module):
         value plus ``estimate_noise`` (the simulator's value supervises, never acts); otherwise the
         perception head's estimate from the images and the proprioception alone."""
         if self.training:
-            c = self.config
-            std = (torch.tensor(c.estimate_noise_per_entry, device=full.device) if c.estimate_noise_per_entry
-                   else c.estimate_noise)
-            noise = torch.randn_like(full[..., self.estimated_idx]) * std
+            noise = torch.randn_like(full[..., self.estimated_idx]) * self.estimate_noise_std
             return full[..., self.estimated_idx] + noise / self.normalizer.state_std[self.estimated_idx]
         if images is None:
             raise PolicyMismatchError(f"policy needs cameras {list(self.config.cameras)}, batch has no images")
@@ -193,21 +191,23 @@ class VLAModel(nn.Module):
         return {k: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v, device=self.device)
                 for k, v in images.items()}
 
+    def _head(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the perception head's standardized estimate, the standardized true value) on a batch of demos."""
+        full = self.normalizer.state(torch.as_tensor(batch["state"], dtype=torch.float32, device=self.device))
+        pred = self.estimator(self._image_tensors(batch["images"]), full[..., self.state_keep])
+        return pred, full[..., self.estimated_idx]
+
     def estimator_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         """Mean squared error of the perception head on standardized ``estimated_state`` entries
         (``groundflow train estimator``)."""
-        state = torch.as_tensor(batch["state"], dtype=torch.float32, device=self.device)
-        full = self.normalizer.state(state)
-        pred = self.estimator(self._image_tensors(batch["images"]), full[..., self.state_keep])
-        loss = ((pred - full[..., self.estimated_idx]) ** 2).mean()
+        pred, target = self._head(batch)
+        loss = ((pred - target) ** 2).mean()
         return loss, {"loss": float(loss.detach())}
 
     def estimate(self, batch: dict[str, Any]) -> np.ndarray:
         """(B, n) the perception head's estimate of ``config.estimated_state`` in state units."""
-        state = torch.as_tensor(batch["state"], dtype=torch.float32, device=self.device)
         with torch.no_grad():
-            full = self.normalizer.state(state)
-            z = self.estimator(self._image_tensors(batch["images"]), full[..., self.state_keep])
+            z, _ = self._head(batch)
             x = z * self.normalizer.state_std[self.estimated_idx] + self.normalizer.state_mean[self.estimated_idx]
         return x.cpu().numpy()
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from policies.vision import SpatialSoftmax, color_jitter, random_shift
+from policies.vision import SpatialSoftmax, camera_input
 
 
 def _coords(x: torch.Tensor) -> torch.Tensor:
@@ -63,9 +63,6 @@ class StateEstimator(nn.Module):
 
     def forward(self, images: dict[str, torch.Tensor], proprio: torch.Tensor) -> torch.Tensor:
         feats = []
-        for cam, net in zip(self.cameras, self.per_camera):
-            x = images[cam].permute(0, 3, 1, 2).float() / 127.5 - 1.0
-            if self.training:  # a camera that moved a little, a light that changed
-                x = color_jitter(random_shift(x, self.shift), self.jitter)
-            feats.append(net(x))
+        for cam, net in zip(self.cameras, self.per_camera):  # training: a camera moved a little, a light changed
+            feats.append(net(camera_input(images[cam], self.training, self.shift, self.jitter)))
         return self.head(torch.cat(feats + [proprio], 1))

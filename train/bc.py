@@ -148,7 +148,8 @@ class TrainArgs:
 
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
                 "image_shift", "image_jitter", "image_pool", "aux_state_weight", "fusion", "state_hidden",
-                "lang_norm", "ignore_state", "estimate_state", "estimate_noise", "estimate_noise_from", "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
+                "lang_norm", "ignore_state", "estimate_state", "estimate_noise", "estimate_noise_from",
+                "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
 def _dist() -> tuple[int, int]:
@@ -167,11 +168,16 @@ def _device(name: str, rank: int) -> torch.device:
     return torch.device(name)
 
 
+def warmup_cosine(step: int, lr: float, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over ``warmup`` steps, then a cosine from ``lr`` down to ``floor * lr`` at ``total``."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    p = (step - warmup) / max(1, total - warmup)
+    return lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+
+
 def _lr(step: int, args: TrainArgs) -> float:
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    p = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+    return warmup_cosine(step, args.lr, args.warmup_steps, args.steps, 0.05)
 
 
 def _jsonable(x: Any) -> Any:

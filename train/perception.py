@@ -5,14 +5,12 @@ perception head over its cameras, never from the observation (policies/perceptio
 stage fits that head: images and proprioception in, the simulator's recorded value as the target
 (supervision only). The policy's own weights are not touched, so the two stages can be redone
 independently. Episodes are split into training and held-out ones; the held-out error, per entry
-in state units, is what ``--estimate-noise`` of the policy should match, and it is stored in the
-checkpoint (``extra.estimator``).
+in state units, is stored in the checkpoint (``extra.estimator``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +23,7 @@ from tqdm import tqdm
 
 import policies
 from envs.errors import InvalidOptionError
+from train.bc import warmup_cosine
 from train.data import ChunkData
 
 
@@ -60,11 +59,7 @@ class EstimatorArgs:
 
 
 def _lr(step: int, args: EstimatorArgs) -> float:
-    warm = min(200, args.steps // 10)
-    if step < warm:
-        return args.lr * (step + 1) / warm
-    p = (step - warm) / max(1, args.steps - warm)
-    return args.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * min(p, 1.0))))
+    return warmup_cosine(step, args.lr, min(200, args.steps // 10), args.steps, 0.02)
 
 
 def heldout_error(policy: Any, data: ChunkData, idx: np.ndarray, batch: int = 256) -> np.ndarray:
