@@ -226,7 +226,7 @@ def run_one(sys_: System, fault: str, T: int, k: int, exhaustive: bool, seed: in
     harmless = sys_.harmless(rng, T, set(gt))
     h_steps = sorted(f.step for f in harmless)
     ep = record_episode(sys_.make_real(T, causal + harmless, seed), sys_.policy, seed=seed, steps=T)
-    cfg = replace(sys_.config, max_rollouts=T + 2)  # what exhaustive ablation costs (+ rollout_slack at most)
+    cfg = replace(sys_.config, max_rollouts=T + 2)  # what exhaustive ablation costs (+ rollout_slack only where the opening guess fails)
     t0 = time.perf_counter()
     prep = prepare(sys_.model, sys_.policy, ep, cfg)
     residual_s = time.perf_counter() - t0
@@ -286,8 +286,8 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
          "marginal effects, channel typing). Exhaustive = single-step ablation, T + 2 rollouts (its time `-` "
          "where it was not run). Budget = 2 k log2 T. log2 C(T,k) = the information bound, the fewest yes/no "
          "rollouts any search needs to single out k causal steps among T. *Fallback* = searches that switched "
-         "to single-step ablation over the steps still in question rather than exceed T + 2 rollouts by more "
-         "than `rollout_slack` (their rollouts include both). Magnitude baseline = the k steps with the largest "
+         "to single-step ablation over the steps still in question rather than exceed T + 2 rollouts (by at most "
+         "`rollout_slack`, 2, and only where the search's opening guess fails; their rollouts include both). Magnitude baseline = the k steps with the largest "
          "normalized residual.", ""]
     L += ["## Summary", "", "| env | runs | precision | recall | recall (effective) | harmless blamed | within budget | "
           "fallback | rollout ratio (exhaustive / search) | magnitude-baseline precision |",

@@ -23,13 +23,28 @@ searched again in what remains (``alternatives``). Each causal step is ranked by
 effect ``f(S*) - f(S* \\ {t})`` and typed by which channel (state, reward, observation) of its
 residual carries the effect.
 
-``exhaustive_ablation`` is the reference: one rollout per step, ``f(all) - f(all \\ {t})``, ``T + 2`` in all.
-The search never costs more than that plus ``rollout_slack``: it tracks the smallest patch ``X`` known
-to reproduce the outcome and queries a new patch only while single-step ablation of ``X`` (``|X|``
-rollouts, plus one) would still fit in the budget afterwards; otherwise (many causes, k ~ T / log T,
-or strongly interacting errors) it switches to that ablation, relative to ``X``, reusing cached
-rollouts. Near the budget it drops the earlier half first (the cheapest way to shrink ``X`` when the
-later half holds a cause). Channel typing only spends what is left of the budget.
+``exhaustive_ablation`` is the reference: one rollout per step, ``f(all) - f(all \\ {t})``, ``C + 2`` in all
+for the ``C`` steps with a nonzero residual (``T + 2`` when every step has one).
+
+Rollout budget. The budget ``B`` is ``max_rollouts``, by default what exhaustive ablation costs (``C + 2``);
+a ``max_rollouts`` below that raises :class:`DebuggingError` (no search can promise a complete answer within
+it: with many causes, single-step ablation is the cheapest search there is). The search tracks the smallest
+patch ``X`` known to reproduce the outcome and queries a new patch only while single-step ablation of ``X``
+(``|X|`` rollouts, plus one to check the result) would still fit afterwards; otherwise (many causes,
+k ~ T / log T, or strongly interacting errors) it switches to that ablation, relative to ``X``, reusing
+cached rollouts. Near the budget it drops the earlier half first (the cheapest way to shrink ``X`` when
+the later half holds a cause). No search can open within ``B`` alone: at first ``X`` is every candidate,
+ablating it costs all of ``B``, and a query that does not reproduce drops nothing (were every step a
+cause, every query of more than one step would be wasted). So the search opens with one guess -- patching
+only the larger half of the residuals (normalized size, ``C >= 4``) reproduces the outcome -- and may risk
+``rollout_slack`` rollouts beyond ``B`` while ``X`` is still every candidate, never once it has dropped a
+step. The attribution spends at most ``B + rollout_slack`` rollouts, and at most ``B`` whenever the guess
+holds (the causes are among the larger errors; big harmless errors in that half cost a query or two). The
+default slack, 2, pays for exactly the guess and the check of the result: when the guess fails the search
+goes straight to single-step ablation (``C + 4`` rollouts in all: a dense gap, or a cause among the small
+errors). ``rollout_slack = 0`` makes ``B`` a hard cap; then a search over an episode with a residual at
+every step cannot open, and ablation's check of ``S*`` is skipped where it does not fit. Marginal effects,
+alternatives and channel typing only spend what is left of ``B``.
 """
 
 from __future__ import annotations
@@ -70,11 +85,13 @@ class DebugConfig:
     dense_fraction: float = 0.25
     """|S*| above this fraction of the candidate steps: report the gap as dense"""
     max_rollouts: int | None = None
-    """rollout budget (None: what exhaustive ablation costs, candidates + 2); the search switches to
-    single-step ablation rather than exceed it by more than rollout_slack"""
-    rollout_slack: int = 8
-    """rollouts the divide and conquer may risk beyond the budget before it has dropped any segment
-    (worst case max_rollouts + rollout_slack; too small and sparse causes late in T fall back)"""
+    """rollout budget B (None: what exhaustive ablation costs, candidates + 2; below that raises
+    DebuggingError): the search switches to single-step ablation rather than exceed it, and exceeds it
+    only when its opening guess fails, by at most rollout_slack (see the module docstring)"""
+    rollout_slack: int = 2
+    """rollouts the search may risk beyond the budget before it has dropped any step (its opening guess
+    and the check of the result; 0: B is a hard cap, and a search over an episode with a residual at
+    every step cannot open)"""
     checkpoint_stride: int | None = None
     check_actions: bool = True
     """check that the policy reproduces the recorded actions (deterministic, same checkpoint)"""
@@ -126,11 +143,14 @@ class Attribution:
     causal_sets: list[list[int]] = field(default_factory=list)
     causal_outcome: float | None = None
     verified: bool = True
+    """f(S*) reproduces f(all) within tol (False too where a hard cap left no rollout to check it:
+    causal_outcome None)"""
     dense: bool = False
     fell_back: bool = False
     """divide and conquer would have exceeded the rollout budget: it finished with single-step ablation"""
     rollout_budget: int = 0
-    """max_rollouts + rollout_slack: the most hybrid rollouts this attribution could spend"""
+    """B (max_rollouts, default exhaustive ablation's candidates + 2): spent at most, unless the
+    search's opening guess failed (then at most B + rollout_slack)"""
     reproduction_error: float | None = None
     action_error: float | None = None
     candidates: int = 0
@@ -204,19 +224,26 @@ class _OverBudget(Exception):
 
 @dataclass
 class _Budget:
-    """Rollout accounting that keeps search + fallback within ``cap`` (see the module docstring)."""
+    """Rollout accounting that keeps search + fallback within ``cap`` -- within ``cap + risk`` while
+    nothing is dropped yet (``X`` is every candidate; see the module docstring)."""
     cap: int
     eng: HybridRollouts
     X: frozenset = frozenset()
     """smallest patch (steps) known to reproduce: the fallback ablates it, one rollout per step"""
+    risk: int = 0
+    """rollout_slack: what a search that has not dropped anything may risk beyond cap"""
+    candidates: int = 0
+
+    def ceiling(self) -> int:
+        return self.cap + (self.risk if len(self.X) >= self.candidates else 0)
 
     def slack(self) -> int:
         """Rollouts to spare after ablating X and checking the result."""
-        return self.cap - self.eng.rollouts - len(self.X) - 1
+        return self.ceiling() - self.eng.rollouts - len(self.X) - 1
 
     def affords(self, patches: list[frozenset]) -> bool:
-        """Whether these patches (cached ones are free) and one more rollout fit in the cap."""
-        return self.eng.rollouts + len({p for p in patches if p not in self.eng.memo}) + 1 <= self.cap
+        """Whether these patches (cached ones are free) and one more rollout fit in the ceiling."""
+        return self.eng.rollouts + len({p for p in patches if p not in self.eng.memo}) + 1 <= self.ceiling()
 
 
 def _quickxplain(reproduces: Callable[[frozenset], bool], candidates: list[int],
@@ -298,8 +325,14 @@ class _Search:
         self.all_items: frozenset = frozenset()
         self.F0 = self.FU = self.tol = 0.0
         self.mags, self.nmags = prep.residuals.magnitudes(), prep.residuals.normalized_magnitudes(self.eng.traj)
-        cap = (len(self.candidates) + 2 if config.max_rollouts is None else config.max_rollouts) + config.rollout_slack
-        self.budget = _Budget(cap, self.eng, frozenset(self.candidates))
+        exhaustive = len(self.candidates) + 2  # what exhaustive_ablation costs
+        if config.max_rollouts is not None and config.max_rollouts < exhaustive:
+            raise DebuggingError(f"max_rollouts = {config.max_rollouts} is below what single-step ablation costs on "
+                                 f"this episode ({exhaustive}: {len(self.candidates)} steps with a nonzero residual "
+                                 "+ 2): no search can promise to finish within it; raise it or leave it unset "
+                                 "(that cost)")
+        cap = exhaustive if config.max_rollouts is None else config.max_rollouts
+        self.budget = _Budget(cap, self.eng, frozenset(self.candidates), config.rollout_slack, len(self.candidates))
         self.notes: list[str] = []
         self.effects: dict[int, float] = {}  # fallback: single-step ablation effects relative to X
         self.context: list[frozenset] = []  # the patch each causal set's effects are measured against
@@ -367,9 +400,26 @@ class _Search:
         """``[S*]`` by divide and conquer, or by single-step ablation when that would exceed the budget."""
         self.eng.phase = "search"
         try:
-            return [self.minimize(_quickxplain(self.reproduces, list(self.candidates), self.budget))]
+            return [self.minimize(_quickxplain(self.reproduces, self.opening(), self.budget))]
         except _OverBudget:
             return [self.ablate_fallback(out)]
+
+    def opening(self) -> list[int]:
+        """The steps divide and conquer starts from: the larger half of the residuals (normalized size,
+        in time order) when patching them alone reproduces the outcome, else every candidate. The one
+        query a search risks before it has dropped anything (see the module docstring): when it holds,
+        it drops half the steps at once and the search stays within the budget from then on."""
+        C = self.candidates
+        if len(C) < 4:
+            return list(C)
+        size = self.nmags[C].max(axis=1)
+        larger = sorted(C[i] for i in np.argsort(-size, kind="stable")[:len(C) // 2])
+        if not self.reproduces(frozenset(larger)):
+            self.notes.append(f"patching only the larger half of the errors ({len(larger)} of {len(C)} steps) does "
+                              "not reproduce the outcome: a cause is among the smaller errors, or the gap is dense")
+            return list(C)
+        self.budget.X = frozenset(larger)
+        return larger
 
     def ablate_fallback(self, out: Attribution) -> list[int]:
         """More causes than a divide-and-conquer search pays off for (k ~ T / log T): finish with the
@@ -385,7 +435,8 @@ class _Search:
         self.context = [self.patch(X)]
         self.notes.append(f"divide and conquer could not finish within the rollout budget ({self.budget.cap}) and "
                           f"switched to single-step ablation over the {len(X)} of {len(self.candidates)} steps still "
-                          f"in question after {spent} rollouts: the errors are too many or interact too much")
+                          f"in question after {spent} rollouts: the errors are too many, interact too much, or a "
+                          "cause hides among the small ones")
         return [t for t, v in zip(X, vals) if abs(self.FU - v) > self.tol]
 
     def add_alternatives(self, sets: list[list[int]], fell_back: bool) -> None:
@@ -409,8 +460,13 @@ class _Search:
         eng = self.eng
         self.context += [self.patch(S) for S in sets[len(self.context):]]
         eng.phase = "marginal"
-        f_star = eng.f(self.patch(frozenset(sets[0])))
-        out.causal_outcome, out.verified = f_star, abs(f_star - self.FU) <= self.tol
+        star = self.patch(frozenset(sets[0]))
+        if star in eng.memo or eng.rollouts + 1 <= self.budget.ceiling():
+            f_star = eng.f(star)
+            out.causal_outcome, out.verified = f_star, abs(f_star - self.FU) <= self.tol
+        else:  # a hard cap (rollout_slack = 0) spent on single-step ablation: S* alone is not checked
+            out.verified = False
+            self.notes.append("f(S*) was not checked (the rollout budget was spent on single-step ablation)")
         causal: list[StepAttribution] = []
         for set_index, S in enumerate(sets):
             fS = eng.f(self.context[set_index])
@@ -472,7 +528,7 @@ class _Search:
                  f"{len(sets[0])} causal step(s) of {n_candidates} reproduce it within {self.tol:.3g}"]
         if len(sets) > 1:
             parts.append(f"{len(sets) - 1} alternative causal set(s): each alone also produces the gap")
-        if not out.verified:
+        if not out.verified and out.causal_outcome is not None:
             parts.append(f"warning: f(S*) = {out.causal_outcome:.4g} does not reproduce f(all) within tol "
                          "(interacting, non-monotone errors); treat the ranking with care")
         if out.dense:

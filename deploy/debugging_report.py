@@ -269,9 +269,11 @@ class DebugArgs:
     explain_channels: bool = True
     find_alternatives: bool = True
     max_rollouts: int | None = None
-    """rollout budget (default: what exhaustive ablation costs, T + 2): the search switches to single-step
-    ablation rather than exceed it by more than rollout_slack"""
-    rollout_slack: int = 8
+    """rollout budget (default: what exhaustive ablation costs, T + 2; less is an error): the search switches
+    to single-step ablation rather than exceed it, and exceeds it only when its opening guess fails, by at
+    most rollout_slack"""
+    rollout_slack: int = 2
+    """rollouts the search may risk beyond the budget before it has dropped any step (0: a hard cap)"""
     exhaustive: bool = False
     """also run exhaustive single-step ablation (T rollouts) for comparison"""
     env_options: dict[str, str] = field(default_factory=dict)
