@@ -1,8 +1,10 @@
 """The one episode/dataset format every layer shares (simulated demos, recorded robot episodes,
 debugging traces). It sits at the ground next to ``envs`` so that ``train`` and ``deploy`` both
 read and write it without importing each other; the HDF5 layout is documented in
-:mod:`dataset.hdf5`."""
+:mod:`dataset.hdf5`, the locks and disk-full errors every writer shares in :mod:`dataset.files`."""
 
+from dataset.files import DiskFullError, InUseError
 from dataset.hdf5 import FORMAT, VERSION, Dataset, DatasetError, DatasetWriter, Episode, EpisodeBuffer
 
-__all__ = ["FORMAT", "VERSION", "Dataset", "DatasetError", "DatasetWriter", "Episode", "EpisodeBuffer"]
+__all__ = ["FORMAT", "VERSION", "Dataset", "DatasetError", "DatasetWriter", "DiskFullError", "Episode",
+           "EpisodeBuffer", "InUseError"]

@@ -19,16 +19,25 @@ flipped bytes are an error rather than silently different training data (files w
 checksums existed have none and load unchecked).
 
 Writes are atomic: the writer fills ``PATH.partial`` and renames it to ``PATH`` only after
-``complete`` is set, so a killed run never leaves a file that looks complete, and the episodes it
-did write stay readable in the ``.partial`` file (``Dataset(path, allow_incomplete=True)``).
+``complete`` is set and the whole file has read back intact (episode count, every array against its
+checksum), so a killed run never leaves a file that looks complete, and the episodes it did write
+stay readable in the ``.partial`` file (``Dataset(path, allow_incomplete=True)``).
 One writer per path: it holds an exclusive lock on ``PATH.lock`` before touching ``PATH.partial``
-(a second writer would otherwise truncate the first one's file), refuses to truncate a
-``.partial`` left by a killed run unless told to overwrite, and never renames over a ``PATH`` that
-appeared while it was writing.
+(a second writer would otherwise truncate the first one's file), and for its whole life a lock on
+``PATH.partial`` itself, taken before anything truncates it (so deleting a stale-looking
+``PATH.lock`` does not let a second writer in, with or without HDF5's own file locking). Locks die
+with their process: a killed run leaves none. It refuses to truncate a ``.partial`` left by a killed
+run unless told to overwrite, never renames over a ``PATH`` that appeared while it was writing, and
+never publishes a ``.partial`` that was removed or replaced under it.
+Before each episode it checks that the episode fits the free space (and the file size limit): a
+full disk ends in one :class:`~dataset.files.DiskFullError` naming the file and the space left,
+with the episodes written before readable in the ``.partial`` (HDF5 itself crashes in its flush when
+a write fails for lack of space).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -40,6 +49,8 @@ from typing import Any, Iterator
 import h5py
 import numpy as np
 
+from dataset.files import (disk_full_errno, disk_full_error, human, lock_exclusive, other_process, room_for,
+                           same_file)
 from envs.errors import GroundflowError
 
 FORMAT = "groundflow-dataset"
@@ -62,15 +73,71 @@ def _lock(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            who = other_process(fd)
             os.close(fd)
-            raise DatasetError(f"{path.with_suffix('')} is being written by another process (it holds {path.name}); "
+            raise DatasetError(f"{path.with_suffix('')} is being written by {who} (it holds {path.name}); "
                                "wait for it to finish or write to another path") from None
-        try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
+        if same_file(fd, path):
+            return fd
         os.close(fd)
+
+
+def _lock_partial(partial: Path, target: Path, lock: Path, create: bool) -> int | None:
+    """``partial`` opened (created if ``create``) without truncating it, and locked for this writer's
+    life; None if it does not exist and ``create`` is false. A live writer of it (ours, whose lock
+    file was deleted, or any HDF5 program that has it open) is refused in one line naming it."""
+    while True:
+        try:
+            fd = os.open(partial, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                lock_exclusive(fd)  # groundflow writers: held from before h5py truncates until after publishing
+            except BlockingIOError:
+                who = other_process(fd)
+                raise DatasetError(f"{target} is being written by {who}: it holds {partial.name}, although "
+                                   f"{lock.name} was removed; wait for it to finish or write to another path") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # HDF5's own lock (older writers, other tools) ...
+            except BlockingIOError:
+                who = other_process(fd)
+                raise DatasetError(f"{partial} is open in {who}, whose HDF5 library holds a lock on it; close it "
+                                   f"there (or wait for that run to finish) before writing {target.name}") from None
+            fcntl.flock(fd, fcntl.LOCK_UN)  # ... which our h5py takes itself
+        except BaseException:
+            os.close(fd)
+            raise
+        if same_file(fd, partial):
+            return fd
+        os.close(fd)
+
+
+def _create(partial: Path) -> h5py.File:
+    """``partial`` truncated and opened for writing by h5py, whose own file lock is only an extra: this
+    writer already holds its lock. Where the two locks meet (flock emulated with byte-range locks on
+    NFS; no OFD locks off Linux) h5py opens without its own."""
+    if not hasattr(fcntl, "F_OFD_SETLK"):
+        return h5py.File(partial, "w", locking=False)
+    try:
+        return h5py.File(partial, "w")
+    except OSError as e:
+        if "lock" not in str(e):
+            raise
+        return h5py.File(partial, "w", locking=False)
+
+
+_RESERVE = 256 * 1024
+"""bytes kept free beyond each episode, for the metadata HDF5 writes when it flushes and closes"""
+
+
+def _episode_bytes(ep: "Episode") -> int:
+    """An upper bound of what writing ``ep`` adds to the file: its raw bytes (lzf may grow random
+    images a little), and per array an object header, its chunk index and attributes."""
+    arrays = [ep.state, ep.action, ep.reward, ep.success, ep.sim_state, ep.final_state, ep.final_sim_state,
+              *(ep.images or {}).values()]
+    arrays = [np.asarray(a) for a in arrays if a is not None]
+    return int(1.1 * sum(a.nbytes for a in arrays)) + 8192 * len(arrays) + 16384
 
 
 @dataclass
@@ -144,15 +211,13 @@ class DatasetWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.with_name(self.path.name + ".partial")
         self.lock = self.path.with_name(self.path.name + ".lock")
+        self.f: h5py.File | None = None
+        self.n = 0
+        self._tmp_fd: int | None = None
         self._lock_fd: int | None = _lock(self.lock)  # before anything can truncate a .partial
         try:
-            if self.path.exists() and not overwrite:
-                raise FileExistsError(f"{self.path} exists; pass overwrite=True (--overwrite) to replace it")
-            if self.tmp.exists() and not overwrite:
-                raise FileExistsError(f"{self.tmp} exists: an earlier run writing {self.path.name} did not finish (its "
-                                      "episodes are readable with Dataset(path, allow_incomplete=True)); pass "
-                                      "overwrite=True (--overwrite) to discard it")
-            self.f = h5py.File(self.tmp, "w")
+            self._tmp_fd = self._claim_partial()
+            self.f = _create(self.tmp)
         except BaseException:
             self._unlock()
             raise
@@ -165,9 +230,34 @@ class DatasetWriter:
         a["n_episodes"] = 0
         self.group = self.f.create_group("episodes")
         self.state_dim, self.action_dim, self.cameras = int(state_dim), int(action_dim), tuple(cameras)
-        self.n = 0
+
+    def _claim_partial(self) -> int:
+        """The locked, open ``.partial`` this writer may truncate (see :func:`_lock_partial`)."""
+        fd = _lock_partial(self.tmp, self.path, self.lock, create=False)  # a live writer of it is refused first
+        try:
+            if self.path.exists() and not self.overwrite:
+                raise FileExistsError(f"{self.path} exists; pass overwrite=True (--overwrite) to replace it")
+            if fd is not None and not self.overwrite:
+                raise FileExistsError(f"{self.tmp} exists: an earlier run writing {self.path.name} did not finish (its "
+                                      "episodes are readable with Dataset(path, allow_incomplete=True)); pass "
+                                      "overwrite=True (--overwrite) to discard it")
+            if fd is None:
+                code = room_for(self.path.parent, _RESERVE)
+                if code is not None:
+                    raise disk_full_error(self.path, code, "; nothing written", _RESERVE)
+                fd = _lock_partial(self.tmp, self.path, self.lock, create=True)
+            return fd
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
 
     def add(self, ep: Episode) -> None:
+        """Append one episode and flush it (it survives a crash in the ``.partial``). An episode that
+        does not fit the disk raises :class:`DiskFullError` and closes the writer, keeping the episodes
+        written before in the ``.partial`` (or removing the ``.partial`` if there are none)."""
+        if self.f is None:
+            raise DatasetError(f"the writer of {self.path} is closed")
         T = len(ep)
         if ep.state.shape != (T, self.state_dim):
             raise DatasetError(f"episode state has shape {ep.state.shape}, expected ({T}, {self.state_dim})")
@@ -175,6 +265,23 @@ class DatasetWriter:
             raise DatasetError(f"episode action has shape {ep.action.shape}, expected ({T}, {self.action_dim})")
         if not np.all(np.isfinite(ep.action)):
             raise DatasetError("episode contains non-finite actions")
+        for cam in self.cameras:
+            if not ep.images or cam not in ep.images:
+                raise DatasetError(f"episode lacks images of camera {cam!r}")
+        need = _episode_bytes(ep) + _RESERVE
+        code = room_for(self.tmp, need, os.fstat(self._tmp_fd).st_size)
+        if code is not None:  # checked before HDF5 writes anything: a write that fails inside it crashes its flush
+            raise self._give_up(code, need=need)
+        try:
+            self._write(ep)
+        except Exception as e:
+            code = disk_full_errno(e)
+            if code is None:
+                raise
+            raise self._give_up(code, failed=e) from e
+
+    def _write(self, ep: Episode) -> None:
+        T = len(ep)
         g = self.group.create_group(f"{self.n:06d}")
         g.attrs["instruction"], g.attrs["task_id"] = ep.instruction, int(ep.task_id)
         g.attrs["seed"] = -1 if ep.seed is None else int(ep.seed)
@@ -190,18 +297,28 @@ class DatasetWriter:
             if v is not None:
                 _put(g, name, np.asarray(v))
         for cam in self.cameras:
-            if not ep.images or cam not in ep.images:
-                raise DatasetError(f"episode lacks images of camera {cam!r}")
             img = np.asarray(ep.images[cam])
             _put(g, f"images/{cam}", img, chunks=(1, *img.shape[1:]), compression="lzf")
-        self.n += 1
-        self.f.attrs["n_episodes"] = self.n
+        self.f.attrs["n_episodes"] = self.n + 1
         self.f.flush()  # episodes written so far survive a crash in the .partial file
+        self.n += 1
 
     def close(self) -> Path:
+        """Mark the file complete, check that it reads back intact and is still the file this writer
+        locked, and publish it as ``path`` (nothing is published otherwise)."""
+        if self.f is None:
+            raise DatasetError(f"the writer of {self.path} is closed")
         try:
-            self.f.attrs["complete"] = True
-            self.f.close()
+            try:
+                self.f.attrs["complete"] = True
+                self.f.close()
+            except Exception as e:
+                code = disk_full_errno(e)
+                if code is None:
+                    raise
+                raise self._give_up(code, failed=e) from e
+            self.f = None
+            self._verify()
             if self.overwrite:
                 os.replace(self.tmp, self.path)
             else:
@@ -209,6 +326,26 @@ class DatasetWriter:
         finally:
             self._unlock()
         return self.path
+
+    def _verify(self) -> None:
+        """Refuse to publish a ``.partial`` that is not the file this writer locked and wrote, or that
+        does not read back whole (episode count, every array against its checksum)."""
+        nothing = f"not publishing {self.path}: {self.tmp}"
+        if not self.tmp.exists():
+            raise DatasetError(f"{nothing} was removed while this run was writing it (by another process?); the "
+                               f"{self.n} episode(s) this run wrote are lost")
+        if not same_file(self._tmp_fd, self.tmp):
+            raise DatasetError(f"{nothing} was replaced while this run was writing it (by another process?); that file "
+                               f"is left as it is, and the {self.n} episode(s) this run wrote are lost")
+        try:
+            with _OwnPartial(self.tmp) as ds:
+                if len(ds) != self.n:
+                    raise DatasetError(f"{self.tmp} holds {len(ds)} episodes, this run wrote {self.n}")
+                for i in range(len(ds)):
+                    ds.episode(i)  # every array against the crc32 written with it
+        except DatasetError as e:
+            raise DatasetError(f"not publishing {self.path}: it does not read back intact: {e} (kept for "
+                               f"inspection in {self.tmp})") from e
 
     def _publish_new(self) -> None:
         """Rename ``.partial`` to ``path`` unless ``path`` appeared meanwhile (another tool, a copy):
@@ -219,6 +356,9 @@ class DatasetWriter:
             os.link(self.tmp, self.path)
         except FileExistsError:
             raise appeared from None
+        except FileNotFoundError:
+            raise DatasetError(f"not publishing {self.path}: {self.tmp} was removed while this run was publishing "
+                               "it (by another process?)") from None
         except OSError:
             if self.path.exists():
                 raise appeared from None
@@ -226,20 +366,47 @@ class DatasetWriter:
         else:
             os.unlink(self.tmp)
 
+    def _give_up(self, code: int, failed: BaseException | None = None, need: int | None = None) -> Exception:
+        """The writer closed after a write that found (or would find) no room; the error to raise.
+        The episodes flushed before stay in the ``.partial``; one with none is removed."""
+        kept = self.n
+        damaged = failed is not None
+        try:
+            if self.f is not None:
+                self.f.close()
+        except Exception:  # noqa: BLE001 - HDF5 could not write its metadata: the file may be damaged
+            damaged = True
+        self.f = None
+        if kept == 0 and same_file(self._tmp_fd, self.tmp):
+            self.tmp.unlink()
+        self._unlock()
+        if kept == 0:  # (named by its final name: the .partial is gone)
+            return disk_full_error(self.path, code, "; no episode was written, nothing kept", need)
+        size = human(self.tmp.stat().st_size) if self.tmp.exists() else "?"
+        state = ("it may be damaged: the failed write was HDF5's own" if damaged else
+                 "readable with Dataset(path, allow_incomplete=True)")
+        what = f"the {kept} episodes written before are" if kept > 1 else "the episode written before is"
+        then = f"; {what} kept in {self.tmp} ({size}, {state}); make room, then delete it or rerun with --overwrite"
+        return disk_full_error(self.tmp, code, then, need)
+
     def abort(self) -> None:
         """Close without publishing: what was written stays in ``.partial`` for inspection."""
         try:
-            self.f.close()
+            if self.f is not None:
+                self.f.close()
         except Exception:
             pass
+        self.f = None
         self._unlock()
 
     def _unlock(self) -> None:
+        if self._tmp_fd is not None:
+            os.close(self._tmp_fd)
+            self._tmp_fd = None
         if self._lock_fd is not None:
-            try:  # unlink while still holding it (see _lock)
-                os.unlink(self.lock)
-            except FileNotFoundError:
-                pass
+            if same_file(self._lock_fd, self.lock):  # unlink while still holding it (see _lock); never
+                with contextlib.suppress(FileNotFoundError):  # a lock file that replaced ours
+                    os.unlink(self.lock)
             os.close(self._lock_fd)
             self._lock_fd = None
 
@@ -267,7 +434,7 @@ class Dataset:
             hint = f" (an unfinished {partial.name} exists: the run that wrote it did not finish)" if partial.exists() else ""
             raise DatasetError(f"dataset {self.path} does not exist{hint}")
         try:
-            self.f = h5py.File(self.path, "r")
+            self.f = self._open()
         except OSError as e:
             raise DatasetError(f"{self.path} is not a readable HDF5 dataset (truncated or corrupt?): {e}") from e
         try:
@@ -279,6 +446,9 @@ class Dataset:
             self.f.close()
             msg = e.args[0] if isinstance(e, KeyError) and e.args else e
             raise DatasetError(f"{self.path}: dataset header or episode index is missing or corrupt: {msg}") from e
+
+    def _open(self) -> h5py.File:
+        return h5py.File(self.path, "r")
 
     def _read_index(self, allow_incomplete: bool) -> None:
         """Header and per-episode shapes (a KeyError or OSError here means a damaged file)."""
@@ -375,3 +545,11 @@ class Dataset:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _OwnPartial(Dataset):
+    """A writer reading back the ``.partial`` it holds locked before publishing it: without HDF5's own
+    file lock, which can meet the writer's (see :func:`_create`)."""
+
+    def _open(self) -> h5py.File:
+        return h5py.File(self.path, "r", locking=False)

@@ -339,15 +339,20 @@ class VLAModel(nn.Module):
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"))
-        texts = sorted(self.lang.cache)
-        if texts:
-            save_file({f"i{i}": self.lang.cache[t].contiguous() for i, t in enumerate(texts)}, str(tmp / "language.safetensors"))
-        meta = {"format": FORMAT, "version": 1, "config": self.config.to_dict(), "instructions": texts,
-                "extra": extra or {},
-                "sha256": {f.name: file_sha256(f) for f in sorted(tmp.glob("*.safetensors"))}}  # checked on load
-        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+        try:  # a write that fails (a full disk) leaves no half-written DIR.tmp behind
+            state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+            save_file(state, str(tmp / "model.safetensors"))
+            texts = sorted(self.lang.cache)
+            if texts:
+                save_file({f"i{i}": self.lang.cache[t].contiguous() for i, t in enumerate(texts)},
+                          str(tmp / "language.safetensors"))
+            meta = {"format": FORMAT, "version": 1, "config": self.config.to_dict(), "instructions": texts,
+                    "extra": extra or {},
+                    "sha256": {f.name: file_sha256(f) for f in sorted(tmp.glob("*.safetensors"))}}  # checked on load
+            (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if out.exists():
             old = out.with_name(out.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

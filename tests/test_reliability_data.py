@@ -520,3 +520,184 @@ def test_bad_serve_and_deploy_flags_are_one_clear_error_each(capsys):
         (["deploy", "--robot", "sim", "--max-steps", "0"], ["--max-steps"]),
     ]:
         _one_line_error(capsys, argv, *needles)
+
+
+# ----- 8. disk full (#46 item 7): one clear line naming the file and the space left, no stray .tmp --------
+
+def _file_size_limit(limit: int):
+    """preexec_fn: writes past ``limit`` bytes fail with EFBIG (SIGXFSZ ignored), as a full disk fails them."""
+    def pre():
+        import resource
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return pre
+
+
+def _gf(argv: list[str], limit: int | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "groundflow.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          preexec_fn=None if limit is None else _file_size_limit(limit))
+
+
+def _one_cli_line(r: subprocess.CompletedProcess, cmd: str, *needles: str) -> str:
+    assert r.returncode == 1 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith(f"groundflow {cmd}: error:")]
+    assert len(lines) == 1, r.stderr[-3000:]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def _stray(d: Path) -> list[str]:
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.name.endswith((".tmp", ".lock", ".old")))
+
+
+def _check_partial(partial: Path, line: str) -> None:
+    """A .partial left behind is named by the error and holds readable, checksummed episodes."""
+    if partial.exists():
+        assert str(partial) in line, line
+        with Dataset(partial, allow_incomplete=True) as ds:
+            assert len(ds) >= 1
+            for ep in ds:
+                assert len(ep) > 0
+    else:
+        assert ".partial" not in line, line
+
+
+def test_collect_past_the_file_size_limit(tmp_path):
+    """Before the fix: a traceback from h5py (or a segfault in its flush) and a .lock left behind."""
+    path = _write(tmp_path / "d.h5", n=3)  # published before: --overwrite must not lose it when the new run fails
+    before = path.read_bytes()
+    r = _gf(["collect", "--env", "adroit/door", "--episodes", "40", "--out", str(path), "--overwrite",
+             "--no-progress"], limit=800_000)
+    line = _one_cli_line(r, "collect", "d.h5", "file size limit")
+    assert path.read_bytes() == before and not _stray(tmp_path), _stray(tmp_path)
+    _check_partial(path.with_name("d.h5.partial"), line)
+
+
+def test_train_checkpoint_past_the_file_size_limit(tmp_path):
+    """Before the fix: a RuntimeError traceback from torch ("unexpected pos ...") and train_state.pt.tmp left."""
+    data = _write(tmp_path / "d.h5", n=4)
+    out = tmp_path / "run"
+    base = ["train", "--data", str(data), "--out", str(out), "--horizon", "4", "--n-exec", "2", "--batch-size", "8",
+            "--save-every", "2", "--wandb", "disabled", "--no-progress"]
+    train(TrainArgs(data=(data,), out=out, steps=2, save_every=2, horizon=4, n_exec=2, batch_size=8,
+                    wandb="disabled", progress=False))
+    state = (out / "train_state.pt").read_bytes()
+    assert len(state) > 1_000_000 > (out / "ckpt" / "model.safetensors").stat().st_size
+    r = _gf(base + ["--steps", "4", "--resume"], limit=1_000_000)  # the checkpoint fits, the training state does not
+    _one_cli_line(r, "train", str(out / "train_state.pt"), "file size limit", "--resume")
+    assert (out / "train_state.pt").read_bytes() == state and not _stray(out), _stray(out)
+    assert policies.read_checkpoint_meta(out / "ckpt")["extra"]["step"] == 4
+    policies.load(out / "ckpt")
+
+
+def test_checkpoint_save_failure_removes_its_tmp_folder(tmp_path, monkeypatch):
+    import safetensors.torch
+    ckpt = tmp_path / "ckpt"
+    v1 = _tiny_policy(0)
+    v1.save(ckpt, extra={"step": 1})
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError, match="No space left"):
+        _tiny_policy(1).save(ckpt, extra={"step": 2})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert _same_weights(policies.load(ckpt), v1)
+
+
+def test_dataset_writer_stops_before_the_disk_is_full(tmp_path, monkeypatch):
+    """What collect and deploy recording share: an episode that does not fit is refused before HDF5
+    writes any of it (HDF5 crashed in its flush on a full disk), naming the file and the space left;
+    the episodes written before stay readable in the .partial the message names."""
+    import shutil
+    from collections import namedtuple
+
+    from dataset import DiskFullError
+    path = tmp_path / "d.h5"
+    w = DatasetWriter(path, "test/env", 5, 3)
+    w.add(_episode(seed=0))
+    w.add(_episode(seed=1))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000_000, 9_990_000, 10_000))
+    with pytest.raises(DiskFullError) as e:
+        w.add(_episode(seed=2))
+    msg = str(e.value)
+    assert "\n" not in msg and str(path.with_name("d.h5.partial")) in msg and "10.0 kB free" in msg, msg
+    assert "2 episodes" in msg, msg
+    w.abort()
+    monkeypatch.undo()
+    assert len(Dataset(path.with_name("d.h5.partial"), allow_incomplete=True)) == 2
+    assert not path.exists() and not path.with_name("d.h5.lock").exists()
+
+
+def test_deploy_recording_on_a_full_disk_keeps_the_recorded_episodes(tmp_path, monkeypatch):
+    """Deploy recording writes through the same DatasetWriter: the robot episodes recorded before the disk
+    filled stay readable in the .partial the one-line error names."""
+    import shutil
+    from collections import namedtuple
+
+    from dataset import DiskFullError
+    from deploy.recording import Recorder
+    from deploy.robot import RobotSpec
+    spec = RobotSpec(name="arm", state_dim=5, action_dim=3, action_low=-np.ones(3), action_high=np.ones(3),
+                     absolute=np.zeros(3, bool), control_rate_hz=10.0)
+    rec = Recorder(tmp_path / "rec.h5", spec, env_id="test/env")
+
+    def episode(seed):
+        ep = _episode(seed=seed)
+        rec.start_episode(ep.instruction, seed=seed)
+        for t in range(len(ep)):
+            rec.add({"state": ep.state[t]}, ep.action[t])
+        return rec.end_episode({"state": ep.final_state})
+
+    assert episode(0) and episode(1)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10_000_000, 9_950_000, 50_000))
+    with pytest.raises(DiskFullError) as e:
+        episode(2)
+    rec.abort()  # what `groundflow deploy` does on any error
+    monkeypatch.undo()
+    partial = tmp_path / "rec.h5.partial"
+    assert str(partial) in str(e.value) and "2 episodes" in str(e.value) and "\n" not in str(e.value)
+    assert len(Dataset(partial, allow_incomplete=True)) == 2 and not (tmp_path / "rec.h5").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 4 MB tmpfs (needs root and a kernel that lets this container mount; skipped otherwise)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_on_a_real_tmpfs(tmp_path, small_disk):
+    """ENOSPC from the kernel: collect and train checkpoint saving each end in one line naming the file
+    and the space left, with no .tmp left and every file published before intact."""
+    kept = _write(small_disk / "kept.h5", n=3)
+    kept_bytes = kept.read_bytes()
+    path = small_disk / "d.h5"
+    r = _gf(["collect", "--env", "adroit/door", "--episodes", "200", "--out", str(path), "--no-progress"])
+    line = _one_cli_line(r, "collect", str(small_disk), "free")
+    assert kept.read_bytes() == kept_bytes and not path.exists() and not _stray(small_disk), _stray(small_disk)
+    _check_partial(path.with_name("d.h5.partial"), line)
+    for p in small_disk.iterdir():
+        if p != kept:
+            p.unlink()
+    data = _write(tmp_path / "t.h5", n=4)
+    out = small_disk / "run"  # the first save (2.9 MB) fits, the second cannot be written beside it
+    r = _gf(["train", "--data", str(data), "--out", str(out), "--horizon", "4", "--n-exec", "2", "--batch-size", "8",
+             "--steps", "4", "--save-every", "2", "--wandb", "disabled", "--no-progress"])
+    _one_cli_line(r, "train", str(out), "free")
+    assert not _stray(small_disk) and kept.read_bytes() == kept_bytes, _stray(small_disk)
+    assert torch.load(out / "train_state.pt", weights_only=True)["step"] in (2, 4)
+    policies.load(out / "ckpt")

@@ -31,6 +31,7 @@ import tyro
 from tqdm import tqdm
 
 import policies
+from dataset.files import disk_full_errno, disk_full_error, hold_directory
 from envs import make as make_env
 from envs import is_proprio, state_indices, state_slices
 from envs.errors import CheckpointError, GroundflowError, InvalidOptionError
@@ -407,7 +408,19 @@ def _diverged(loss: torch.Tensor, step: int, batch: dict[str, Any], data: ChunkD
 def train(args: TrainArgs, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train and return a summary (final loss, samples/s, eval results, checkpoint path).
 
-    ``on_step(step)`` is called after each step (train/parallel.py's shared progress bar)."""
+    ``on_step(step)`` is called after each step (train/parallel.py's shared progress bar). One run per
+    ``--out``: rank 0 holds a lock on the folder from before anything is read until the run ends, so a
+    second run on it (or a --resume of it) is refused in one line naming the process that holds it;
+    an --out this run created and left empty (it failed before writing) is removed."""
+    rank, _ = _dist()
+    _check_args(args)  # before --out is created
+    if rank != 0:
+        return _train(args, on_step)
+    with hold_directory(Path(args.out), "--out"):
+        return _train(args, on_step)
+
+
+def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, Any]:
     rank, world = _dist()
     if args.batch_size % world:
         raise ValueError(f"batch size {args.batch_size} is not divisible by the {world} data-parallel ranks")
@@ -516,7 +529,7 @@ def train(args: TrainArgs, on_step: Callable[[int], None] | None = None) -> dict
     if rank == 0 and args.eval_episodes and not args.eval_every:
         summary["eval"] = _evaluate(ema or policy, data.env_id, args)
     if rank == 0:
-        (out / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+        _write_summary(out, summary)
     logger.finish()
     if world > 1:
         torch.distributed.barrier()
@@ -583,10 +596,49 @@ def _tree_sha256(obj: Any) -> str:
 
 def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra,
           rng: dict[str, Any] | None = None) -> None:
-    (ema or policy).save(out / "ckpt", extra={**meta_extra, "step": step})
-    st = {"model": policy.state_dict(), "ema": ema.state_dict() if ema is not None else None,
-          "opt": opt.state_dict(), "step": step, "history": history, "args": args_json, "rng": rng}
-    st["sha256"] = _tree_sha256(st)
-    tmp = out / "train_state.pt.tmp"
-    torch.save(st, tmp)
-    os.replace(tmp, out / "train_state.pt")
+    """OUT/ckpt and OUT/train_state.pt, each written beside the old one and renamed over it. A save
+    that finds no room (disk full, quota, file size limit) removes what it had started and raises one
+    DiskFullError naming the file, the space left and what earlier saves left intact."""
+    tmp, writing = out / "train_state.pt.tmp", out / "ckpt"
+    try:
+        (ema or policy).save(out / "ckpt", extra={**meta_extra, "step": step})  # removes its own .tmp on failure
+        writing = out / "train_state.pt"
+        st = {"model": policy.state_dict(), "ema": ema.state_dict() if ema is not None else None,
+              "opt": opt.state_dict(), "step": step, "history": history, "args": args_json, "rng": rng}
+        st["sha256"] = _tree_sha256(st)
+        with open(tmp, "wb") as f:  # through a Python file: a full disk is an OSError, not torch's "unexpected pos"
+            torch.save(st, f)
+        os.replace(tmp, out / "train_state.pt")
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        code = disk_full_errno(e)
+        if code is None:
+            raise
+        raise disk_full_error(writing, code, _intact_after_failed_save(out, step)) from e
+
+
+def _intact_after_failed_save(out: Path, step: int) -> str:
+    """What a save that failed at ``step`` left: the checkpoint's step, and whether --resume can go on."""
+    try:
+        saved = policies.read_checkpoint_meta(out / "ckpt").get("extra", {}).get("step")
+        ckpt = f"{out / 'ckpt'} holds step {saved}"
+    except Exception:  # noqa: BLE001 - none yet, or unreadable: say so rather than fail again
+        ckpt = f"no checkpoint in {out / 'ckpt'}"
+    if (out / "train_state.pt").exists():
+        return (f"; the save of step {step} was not completed ({ckpt}, {out / 'train_state.pt'} is intact); make room, "
+                "then continue with --resume")
+    return f"; the save of step {step} was not completed ({ckpt}, no training state to --resume); make room, then rerun"
+
+
+def _write_summary(out: Path, summary: dict[str, Any]) -> None:
+    """OUT/summary.json, written beside and renamed (a full disk leaves the checkpoints and no half file)."""
+    path, tmp = out / "summary.json", out / "summary.json.tmp"
+    try:
+        tmp.write_text(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        code = disk_full_errno(e)
+        if code is None:
+            raise
+        raise disk_full_error(path, code, f"; training finished and its checkpoint is in {out / 'ckpt'}") from e
