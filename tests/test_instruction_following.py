@@ -67,6 +67,14 @@ def test_unknown_recipe_is_named():
     assert set(RECIPES) >= {"chunked", "multitask"}
 
 
+def test_every_recipe_names_only_train_flags():
+    for name in RECIPES:  # a value that is not a TrainArgs field would fail only when a user picks the recipe
+        args = recipe_args(name)
+        assert args.recipe == name
+    large = recipe_args("pixels_large")
+    assert (large.image_size, large.estimator_channels, large.estimator_keypoints) == (128, 32, 64)
+
+
 def test_eval_on_the_instructions_a_checkpoint_was_trained_on(pick_ckpt, tmp_path):
     from policies.model import PolicyMismatchError
     from groundflow.cli import main

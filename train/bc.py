@@ -100,6 +100,10 @@ class TrainArgs:
     by name in the env's state layout, 'NAME[a:b]' for part of a slice (e.g. '*_cube_pose[0:3]'
     '*_goal_pos'); they are hidden from the policy's input. The head trains after the policy, with
     `groundflow train estimator` (see PolicyConfig.estimated_state)"""
+    estimator_channels: int = _MODEL.estimator_channels
+    """perception head (--estimate-state): channels of its first conv layer per camera"""
+    estimator_keypoints: int = _MODEL.estimator_keypoints
+    """perception head (--estimate-state): spatial-softmax keypoints per camera"""
     estimate_noise: float = _MODEL.estimate_noise
     """std (state units) of the noise on the true --estimate-state values while the policy trains
     (0: measured best on the tabletop, see PolicyConfig.estimate_noise)"""
@@ -150,6 +154,7 @@ class TrainArgs:
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
                 "image_shift", "image_jitter", "image_pool", "aux_state_weight", "fusion", "state_hidden",
                 "lang_norm", "ignore_state", "estimate_state", "estimate_noise", "estimate_noise_from",
+                "estimator_channels", "estimator_keypoints",
                 "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
 
@@ -296,7 +301,8 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
                            cfg_scale=args.cfg_scale, n_bins=args.n_bins, bin_sigma=args.bin_sigma,
                            state_ignore=tuple(_state_ignore(args.ignore_state + args.estimate_state, data)),
                            estimated_state=tuple(_state_ignore(args.estimate_state, data)),
-                           estimate_noise=args.estimate_noise,
+                           estimate_noise=args.estimate_noise, estimator_channels=args.estimator_channels,
+                           estimator_keypoints=args.estimator_keypoints,
                            estimate_noise_per_entry=_noise_from(args.estimate_noise_from),
                            state_relative=tuple(_state_relative(args.relative_state, data)))
         policy = make_policy(cfg)

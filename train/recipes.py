@@ -33,6 +33,14 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         {**_MULTITASK, "cameras": ("workspace_camera", "hand_camera"), "image_size": 96,
          "ignore_state": ("*vel", "*_acc", "*_cube_pose", "*_goal_pos"),
          "estimate_state": ("*_cube_pose[0:3]", "*_goal_pos[0:2]"), "estimate_noise": 0.0}),
+    "pixels_large": (
+        "the `pixels` recipe for a GPU workstation: 128 px images and a head twice as wide (32 channels, 64 "
+        "keypoints per camera); train its head longer (`groundflow train estimator --steps 30000`). Not measured: "
+        "no GPU was lent to the sessions that built it; on one CPU core a head step costs 4.6x the `pixels` one",
+        {**_MULTITASK, "cameras": ("workspace_camera", "hand_camera"), "image_size": 128,
+         "ignore_state": ("*vel", "*_acc", "*_cube_pose", "*_goal_pos"),
+         "estimate_state": ("*_cube_pose[0:3]", "*_goal_pos[0:2]"), "estimate_noise": 0.0,
+         "estimator_channels": 32, "estimator_keypoints": 64}),
 }
 
 
