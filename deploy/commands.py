@@ -61,8 +61,13 @@ class ServeArgs:
     """close a client connection that sent nothing for this long (s; 0: never)"""
     max_connections: int = 16
     """clients served at once; the next one is refused with a 'busy' error"""
+    handshake_timeout: float = 5.0
+    """close a connection that has not finished its handshake (upgrade and hello) this long after connecting (s)"""
+    max_pending: int = 32
+    """connections kept that have not finished their handshake; beyond it the oldest is closed"""
     paraphrases: int = 0
-    """0: serve only the checkpoint's instructions; N > 0: also encode others, keeping the N most recent"""
+    """0: serve only the checkpoint's instructions; N > 0: also encode others (the language model loads at
+    start-up, in a child process), keeping the N most recent"""
     seed: int = 0
 
     def check(self) -> None:
@@ -70,7 +75,9 @@ class ServeArgs:
         error is the command's one line, not the parser's box)."""
         _check_ranges(("--port", self.port, 0, 65535), ("--max-message-mb", self.max_message_mb, 1e-3, 1024),
                       ("--idle-timeout", self.idle_timeout, 0, float("inf")),
-                      ("--max-connections", self.max_connections, 1, 4096), ("--paraphrases", self.paraphrases, 0, 1e6))
+                      ("--max-connections", self.max_connections, 1, 4096), ("--paraphrases", self.paraphrases, 0, 1e6),
+                      ("--handshake-timeout", self.handshake_timeout, 1e-3, 3600),
+                      ("--max-pending", self.max_pending, 1, 4096))
 
 
 def _check_ranges(*checks: tuple[str, float, float, float]) -> None:
@@ -177,8 +184,9 @@ def serve(argv: list[str]) -> None:
     policy = load_policy(args)
     server = PolicyServer(policy, args.host, args.port, max_message_bytes=int(args.max_message_mb * 2 ** 20),
                           rtc=RTCConfig(sigma=args.rtc_sigma), idle_timeout_s=args.idle_timeout or None,
-                          max_connections=args.max_connections, paraphrases=args.paraphrases)
-    server.bind()
+                          max_connections=args.max_connections, paraphrases=args.paraphrases,
+                          hello_timeout_s=args.handshake_timeout, max_pending=args.max_pending)
+    server.bind()  # a port in use is one line (ServerAddressError); --paraphrases loads the language model here
     _stop_on_sigterm()
     print(json.dumps({k: v for k, v in server.metadata.items() if k != "type"}), flush=True)
     print(f"serving on ws://{args.host}:{server.port} (Ctrl+C stops)", flush=True)

@@ -35,3 +35,8 @@ class ServerError(DeployError, RuntimeError):
 
 class PolicyUnavailableError(DeployError, ConnectionError):
     """The policy server stopped answering (closed connection or timeout)."""
+
+
+class ServerAddressError(DeployError, OSError):
+    """The policy server cannot listen on its host:port (the port is in use, the host is not an
+    address of this machine, or the port needs privileges)."""

@@ -9,7 +9,10 @@ Messages (``type`` field):
                                   "image_encodings"}
                                  or, when the server is full, {"type": "error", "code": "busy", ...}
     client -> server             {"type": "hello", "version", "action_dim", "state_dim", "cameras"}
-    server -> client             {"type": "ready"} or {"type": "error", "code": "mismatch", ...}
+                                 (``check_hello``: each an int / list of names, or null: not checked;
+                                 an optional "image_size" likewise; other fields are ignored)
+    server -> client             {"type": "ready"} or {"type": "error", "code": "mismatch" |
+                                 "bad_hello" | "busy", ...}
     client -> server             {"type": "infer", "id", "obs": {...}, "prefix"?, "frozen"?, "seed"?}
     server -> client             {"type": "chunk", "id", "actions": (H, A) float32,
                                   "timing": {"decode_ms", "infer_ms", "server_ms"}}
@@ -134,6 +137,36 @@ def unpack(raw: bytes | bytearray | str, max_bytes: int = MAX_MESSAGE_BYTES) -> 
     if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
         raise ProtocolError("message must be a map with a string 'type' field")
     return msg
+
+
+MAX_HELLO_CAMERAS = 64
+
+
+def _shown(v: Any) -> str:
+    return f"{type(v).__name__} {repr(v)[:60]}"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_hello(hello: dict[str, Any]) -> None:
+    """Raise ``ProtocolError`` naming the field when a hello's known fields have the wrong type (a
+    client's junk must be a clear refusal, not a ``TypeError`` in the server). Null dims or cameras
+    mean "not checked" (what a client without expectations sends); unknown fields are ignored."""
+    v = hello.get("version")
+    if not _is_int(v):
+        raise ProtocolError(f"hello.version must be an integer (this server speaks {PROTOCOL} v{VERSION}), "
+                            f"got {_shown(v)}")
+    for key, low in (("action_dim", 1), ("state_dim", 0), ("image_size", 0)):
+        v = hello.get(key)
+        if v is not None and not (_is_int(v) and v >= low):
+            raise ProtocolError(f"hello.{key} must be an integer >= {low} or null, got {_shown(v)}")
+    cams = hello.get("cameras")
+    if cams is not None and (not isinstance(cams, list) or len(cams) > MAX_HELLO_CAMERAS
+                             or not all(isinstance(c, str) and 0 < len(c) <= 128 for c in cams)):
+        raise ProtocolError(f"hello.cameras must be a list of at most {MAX_HELLO_CAMERAS} camera names "
+                            f"(non-empty strings) or null, got {_shown(cams)}")
 
 
 def encode_image(img: Any, encoding: str, quality: int = 90) -> Any:

@@ -12,7 +12,15 @@ Clients cannot grow the server or stall each other: at most ``max_connections`` 
 next one gets a ``busy`` error), a connection idle for ``idle_timeout_s`` is closed, instructions
 are capped in length, a policy with a vocabulary serves only its checkpoint's instructions unless
 ``paraphrases`` > 0 (then at most that many others are kept, never written to disk), and new
-instructions are encoded outside the inference lock. Images may come PNG- or JPEG-encoded (the
+instructions are encoded outside the inference lock, in a child process that loads the language
+model at start-up (``policies.language.EncoderProcess``), and stay cached until their request's
+inference. A connection that has not finished its handshake (the websocket upgrade and the hello)
+holds no ``max_connections`` slot: at most ``max_pending`` of them are kept, the oldest closed
+to make room for a new one (a flood of silent sockets costs a bounded number of threads and
+cannot lock a real client out, which finishes in milliseconds), and each must finish within
+``hello_timeout_s`` of connecting. Hello fields of the wrong type are a ``bad_hello`` reply
+naming the field (``protocol.check_hello``), and a port already in use is a
+``ServerAddressError`` naming it. Images may come PNG- or JPEG-encoded (the
 formats in ``image_encodings``, announced in the metadata); they are decoded, header checked first,
 where observations are validated (``protocol.check_observation``), so a hostile image is a
 ``bad_request`` like any other. Every chunk sent is finite and inside the
@@ -23,7 +31,11 @@ Loopback (127.0.0.1) is the default: serving on another interface must be asked 
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import logging
+import socket
 import threading
 import time
 from typing import Any
@@ -31,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from deploy import protocol
-from deploy.errors import ProtocolError
+from deploy.errors import ProtocolError, ServerAddressError
 from deploy.inference import action_bounds, infer_chunk, policy_metadata
 from envs.errors import InvalidOptionError
 from policies.model import NULL_INSTRUCTION
@@ -59,23 +71,74 @@ def check_hello(meta: dict[str, Any], hello: dict[str, Any]) -> str | None:
     return None
 
 
+def _bind_failure(host: str, port: int, e: OSError) -> str:
+    """Why the server cannot listen on ``host:port``, in one line naming both."""
+    where = f"cannot listen on {host}:{port}"
+    why = str(e.strerror or e).split(" (while attempting to bind")[0]  # socket.create_server's addition
+    if isinstance(e, socket.gaierror) or e.errno in {getattr(socket, n, None) for n in
+                                                      ("EAI_NONAME", "EAI_AGAIN", "EAI_FAIL", "EAI_NODATA")} - {None}:
+        return f"{where}: cannot resolve host {host!r} ({why})"
+    if e.errno == errno.EADDRINUSE:
+        return (f"{where}: port {port} is already in use (another `groundflow serve`, or another program, "
+                f"listens on it); stop it or pick another --port")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine"
+    if e.errno == errno.EACCES:
+        return f"{where}: permission denied (ports below 1024 need privileges); pick another --port"
+    return f"{where}: {why}"
+
+
+def _close_listener(server: Any) -> None:
+    """Close a websockets server that never ran its serve loop (its ``shutdown()`` would wait for one)."""
+    for name in ("socket", "shutdown_watcher", "shutdown_notifier"):
+        sock = getattr(server, name, None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+@functools.lru_cache(maxsize=None)
+def _gated_connection() -> type:
+    """websockets' server connection, told to its ``PolicyServer`` from its creation (before the
+    websocket handshake) until its socket's reader ends: what caps and times out connections that
+    have not finished their handshake (``PolicyServer._admit``)."""
+    from websockets.sync.server import ServerConnection
+
+    class GatedConnection(ServerConnection):
+        def __init__(self, *args: Any, gate: "PolicyServer", **kwargs: Any):
+            self.gate, self.opened_at, self.forgotten = gate, time.monotonic(), False
+            super().__init__(*args, **kwargs)  # starts the reader thread
+            gate._admit(self)
+
+        def recv_events(self) -> None:
+            try:
+                super().recv_events()
+            finally:
+                self.gate._forget(self)
+
+    return GatedConnection
+
+
 class PolicyServer:
     """Serve ``policy`` (the interface ``deploy.inference`` describes)."""
 
     def __init__(self, policy: Any, host: str = "127.0.0.1", port: int = 8000, *,
                  max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, rtc: RTCConfig | None = None,
-                 hello_timeout_s: float = 10.0, idle_timeout_s: float | None = 60.0, max_connections: int = 16,
-                 paraphrases: int = 0, action_margin: float = protocol.ACTION_MARGIN,
+                 hello_timeout_s: float = 5.0, idle_timeout_s: float | None = 60.0, max_connections: int = 16,
+                 max_pending: int = 32, paraphrases: int = 0, action_margin: float = protocol.ACTION_MARGIN,
                  image_encodings: tuple[str, ...] = protocol.IMAGE_ENCODINGS):
         image_encodings = tuple(image_encodings)
         if "raw" not in image_encodings or not set(image_encodings) <= set(protocol.IMAGE_ENCODINGS):
             raise InvalidOptionError(f"image_encodings must include 'raw' and be among "
                                      f"{list(protocol.IMAGE_ENCODINGS)}, got {list(image_encodings)}")
-        if max_connections < 1 or paraphrases < 0 or not action_margin >= 0:
-            raise InvalidOptionError(f"need max_connections >= 1, paraphrases >= 0 and action_margin >= 0, got "
-                                     f"{max_connections}, {paraphrases}, {action_margin}")
+        if max_connections < 1 or max_pending < 1 or paraphrases < 0 or not action_margin >= 0:
+            raise InvalidOptionError(f"need max_connections >= 1, max_pending >= 1, paraphrases >= 0 and "
+                                     f"action_margin >= 0, got {max_connections}, {max_pending}, {paraphrases}, "
+                                     f"{action_margin}")
         if idle_timeout_s is not None and not idle_timeout_s > 0:
             raise InvalidOptionError(f"idle_timeout_s must be > 0 (or None: never), got {idle_timeout_s}")
+        if not hello_timeout_s > 0:
+            raise InvalidOptionError(f"hello_timeout_s must be > 0, got {hello_timeout_s}")
         self.policy = policy
         self.host, self._port = host, int(port)
         self.max_message_bytes = int(max_message_bytes)
@@ -85,9 +148,12 @@ class PolicyServer:
         self.metadata["image_encodings"] = list(image_encodings)  # a client asking for another is refused
         self.rtc = self.metadata["rtc"]
         self.bounds = action_bounds(policy, action_margin)
-        self.hello_timeout_s = hello_timeout_s
+        self.hello_timeout_s = float(hello_timeout_s)
+        """a connection must finish its handshake (websocket upgrade and hello) this long after connecting"""
         self.idle_timeout_s = idle_timeout_s
         self.max_connections = int(max_connections)
+        self.max_pending = int(max_pending)
+        """connections not through their handshake kept at once (the oldest is closed for a new one)"""
         self.paraphrases = int(paraphrases)
         self.lang = getattr(policy, "lang", None)
         if self.lang is not None and hasattr(self.lang, "serve"):
@@ -95,9 +161,12 @@ class PolicyServer:
         self._lock = threading.Lock()
         self._conn_lock = threading.Lock()
         self._active = 0
+        self._pending: dict[Any, None] = {}  # connections not through their handshake, oldest first
         self._server = None
+        self._serving = False
         self._thread: threading.Thread | None = None
-        self.stats = {"connections": 0, "refused": 0, "requests": 0, "errors": 0, "busy": 0, "idle_closed": 0}
+        self.stats = {"connections": 0, "refused": 0, "requests": 0, "errors": 0, "busy": 0, "idle_closed": 0,
+                      "evicted": 0, "hello_timeouts": 0}
 
     # ----- lifecycle ------------------------------------------------------------------------
     @property
@@ -108,8 +177,13 @@ class PolicyServer:
 
     @property
     def open_connections(self) -> int:
-        """Connections being served now (refused ones not counted)."""
+        """Connections being served now (through their handshake; refused ones not counted)."""
         return self._active
+
+    @property
+    def pending_connections(self) -> int:
+        """Connections accepted that have not finished their handshake yet."""
+        return len(self._pending)
 
     @property
     def address(self) -> str:
@@ -124,12 +198,26 @@ class PolicyServer:
         if self._server is not None:
             return
         from websockets.sync.server import serve
-        self._server = serve(self._handle, self.host, self._port, compression=None,
-                             max_size=self.max_message_bytes, ping_interval=None, open_timeout=10)
+        try:  # no SO_REUSEPORT: on Linux it would let a second server share the port without a word
+            server = serve(self._handle, self.host, self._port, compression=None, max_size=self.max_message_bytes,
+                           ping_interval=None, open_timeout=self.hello_timeout_s, reuse_port=False,
+                           create_connection=functools.partial(_gated_connection(), gate=self))
+        except OSError as e:
+            raise ServerAddressError(_bind_failure(self.host, self._port, e)) from e
+        if self.paraphrases > 0 and self.lang is not None and hasattr(self.lang, "start_encoder_process"):
+            # now, not on the first new instruction (4-5 s: a client's request would time out meanwhile)
+            log.info("loading the language model (--paraphrases %d)", self.paraphrases)
+            try:
+                self.lang.start_encoder_process()
+            except BaseException:
+                _close_listener(server)
+                raise
+        self._server = server
 
     def start(self) -> "PolicyServer":
         """Serve in a background thread (port 0 picks a free port; read ``.port``)."""
         self._make()
+        self._serving = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="PolicyServer", daemon=True)
         self._thread.start()
         return self
@@ -137,18 +225,30 @@ class PolicyServer:
     def serve_forever(self) -> None:
         self._make()
         log.info("serving %s on ws://%s", type(self.policy).__name__, self.address)
+        self._serving = True
         try:
             self._server.serve_forever()
         finally:
             self._server.shutdown()
             self._server = None
+            self._serving = False
+            self._stop_encoder()
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
+            if self._serving:
+                self._server.shutdown()
+            else:  # bound, never served: websockets' shutdown() would wait for a serve loop forever
+                _close_listener(self._server)
+        self._serving = False
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._server = self._thread = None
+        self._stop_encoder()
+
+    def _stop_encoder(self) -> None:
+        if self.lang is not None and hasattr(self.lang, "stop_encoder_process"):
+            self.lang.stop_encoder_process()
 
     def __enter__(self) -> "PolicyServer":
         return self.start()
@@ -156,40 +256,91 @@ class PolicyServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    # ----- connections before their handshake ------------------------------------------------
+    def _admit(self, conn: Any) -> None:
+        """A new connection (its websocket handshake not yet done): keep at most ``max_pending``
+        such, closing the oldest. A real client is through in milliseconds, so the oldest is a
+        silent or stalled one; closing it (not refusing the new one) keeps a flood from locking
+        real clients out."""
+        with self._conn_lock:
+            if conn.forgotten:
+                return  # its socket already ended
+            self._pending[conn] = None
+            victims = []
+            while len(self._pending) > self.max_pending:
+                victim = next(iter(self._pending))
+                del self._pending[victim]
+                victims.append(victim)
+            self.stats["evicted"] += len(victims)
+        for victim in victims:
+            try:  # its reader sees the end of the stream; its handshake or hello wait ends
+                victim.socket.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _forget(self, conn: Any) -> None:
+        """``conn`` finished its handshake, or its socket ended."""
+        with self._conn_lock:
+            conn.forgotten = True
+            self._pending.pop(conn, None)
+
+    def _busy(self, ws: Any) -> None:
+        """Answer ``busy`` and close at once: a refused client must not hold threads."""
+        from websockets.exceptions import ConnectionClosed
+        self.stats["busy"] += 1
+        try:
+            ws.send(protocol.pack({"type": "error", "code": "busy", "message":
+                                   f"the policy server is serving its maximum of {self.max_connections} "
+                                   "connections; try again later"}))
+            ws.close(1013, "too many connections")
+        except ConnectionClosed:
+            pass
+
     # ----- one connection -------------------------------------------------------------------
     def _handle(self, ws: Any) -> None:
         from websockets.exceptions import ConnectionClosed
         with self._conn_lock:
             full = self._active >= self.max_connections
-            self._active += 0 if full else 1
-        if full:  # answer and close at once: a refused client must not hold threads
-            self.stats["busy"] += 1
-            try:
-                ws.send(protocol.pack({"type": "error", "code": "busy", "message":
-                                       f"the policy server is serving its maximum of {self.max_connections} "
-                                       "connections; try again later"}))
-                ws.close(1013, "too many connections")
-            except ConnectionClosed:
-                pass
+        if full:
+            self._busy(ws)
             return
-        self.stats["connections"] += 1
+        # the slot is taken once the hello fits: a client that never says hello holds none
+        deadline = getattr(ws, "opened_at", time.monotonic()) + self.hello_timeout_s
         try:
             ws.send(protocol.pack(self.metadata))
             try:
-                hello = protocol.unpack(ws.recv(timeout=self.hello_timeout_s), self.max_message_bytes)
+                raw = ws.recv(timeout=max(0.0, deadline - time.monotonic()))
             except TimeoutError:
+                self.stats["hello_timeouts"] += 1
                 ws.close(1008, "no hello within the handshake timeout")
                 return
+            try:
+                hello = protocol.unpack(raw, self.max_message_bytes)
+                if hello.get("type") != "hello":
+                    raise ProtocolError(f"expected a 'hello' message, got {hello.get('type')!r}")
+                protocol.check_hello(hello)
+                why = check_hello(self.metadata, hello)
             except ProtocolError as e:
                 self._refuse(ws, "bad_hello", str(e))
                 return
-            if hello.get("type") != "hello":
-                self._refuse(ws, "bad_hello", f"expected a 'hello' message, got {hello.get('type')!r}")
+            except Exception as e:  # noqa: BLE001  (a hello no check foresaw must not kill the handler)
+                log.exception("checking a hello failed")
+                self._refuse(ws, "bad_hello", f"invalid hello: {type(e).__name__}: {e}")
                 return
-            why = check_hello(self.metadata, hello)
             if why is not None:
                 self._refuse(ws, "mismatch", why)
                 return
+            with self._conn_lock:
+                full = self._active >= self.max_connections
+                self._active += 0 if full else 1
+            if full:  # others finished their hello meanwhile
+                self._busy(ws)
+                return
+        except ConnectionClosed:
+            return
+        try:  # served now: counts against max_connections, no longer against max_pending
+            self._forget(ws)
+            self.stats["connections"] += 1
             ws.send(protocol.pack({"type": "ready"}))
             while True:
                 try:
@@ -207,10 +358,15 @@ class PolicyServer:
                 self._active -= 1
 
     def _refuse(self, ws: Any, code: str, message: str) -> None:
+        from websockets.exceptions import ConnectionClosed
         self.stats["refused"] += 1
         log.warning("refused client %s: %s", getattr(ws, "remote_address", "?"), message)
-        ws.send(protocol.pack({"type": "error", "code": code, "message": message}))
-        ws.close(1008, message[:120])
+        try:
+            ws.send(protocol.pack({"type": "error", "code": code, "message": message}))
+            # a close reason is at most 123 bytes of UTF-8 (a client's names may be anything)
+            ws.close(1008, message.encode()[:120].decode(errors="ignore"))
+        except ConnectionClosed:
+            pass
 
     def _reply(self, raw: bytes, t0: float) -> dict[str, Any]:
         req_id = None
@@ -247,6 +403,14 @@ class PolicyServer:
         except ProtocolError as e:
             self.stats["errors"] += 1
             return {"type": "error", "id": req_id, "code": "bad_request", "message": str(e)}
+        hold = getattr(self.lang, "hold", None)
+        with hold(obs["instruction"]) if hold is not None else contextlib.nullcontext():
+            return self._infer(obs, prefix, frozen, seed, req_id, t0)
+
+    def _infer(self, obs: dict[str, Any], prefix: Any, frozen: int, seed: int | None, req_id: Any,
+               t0: float) -> dict[str, Any]:
+        """A valid request's reply; its instruction stays cached from its encoding (outside the
+        inference lock) to its inference (``_reply`` holds it)."""
         try:
             unknown = self._prepare_instruction(obs["instruction"])
         except Exception as e:  # the language encoder failed (e.g. MiniLM missing)

@@ -338,6 +338,7 @@ def fake_minilm(monkeypatch, tmp_path):
         return {t: torch.randn(1, 384, generator=torch.Generator().manual_seed(len(t))) for t in texts}
 
     monkeypatch.setattr(LanguageEncoder, "_encode_model", encode)
+    monkeypatch.setattr(LanguageEncoder, "start_encoder_process", lambda self: None)  # encode() above, here
     return calls, tmp_path / "lang_cache"
 
 
