@@ -1,6 +1,7 @@
 """The one episode/dataset format every layer shares (simulated demos, recorded robot episodes,
 debugging traces). It sits at the ground next to ``envs`` so that ``train`` and ``deploy`` both
-read and write it without importing each other; the HDF5 layout is documented in
+read and write it without importing each other; the HDF5 layout (with its checksums and layout
+digests, and the per-episode journal a killed writer's episodes are recovered from) is documented in
 :mod:`dataset.hdf5`, the locks and disk-full errors every writer shares in :mod:`dataset.files`."""
 
 from dataset.files import DiskFullError, InUseError

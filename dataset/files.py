@@ -204,10 +204,11 @@ def file_size_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
-def room_for(path: Path, need: int, size_now: int = 0) -> int | None:
-    """ENOSPC (or EFBIG) when writing ``need`` more bytes to ``path`` (now ``size_now`` bytes) would
-    not fit the free space (or the file size limit); None when it fits."""
-    if free_bytes(path) < need:
+def room_for(path: Path, need: int, size_now: int = 0, elsewhere: int = 0) -> int | None:
+    """ENOSPC (or EFBIG) when writing ``need`` more bytes to ``path`` (now ``size_now`` bytes), and
+    ``elsewhere`` bytes to other files on its disk, would not fit the free space (or the file size
+    limit); None when it fits."""
+    if free_bytes(path) < need + elsewhere:
         return errno.ENOSPC
     limit = file_size_limit()
     if limit is not None and size_now + need > limit:

@@ -3,6 +3,7 @@ crafted or damaged files: each is refused with one clear line naming the file, n
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,10 +120,20 @@ def test_flipped_action_bytes_are_detected(tmp_path):
         ds.episode(0)  # the other episodes still load
 
 
+def _strip(path: Path, *names: str) -> None:
+    """Remove attributes ``names`` everywhere in the file: what files written before they existed look like."""
+    def strip(obj) -> None:
+        for n in names:
+            if n in obj.attrs:
+                del obj.attrs[n]
+    with h5py.File(path, "r+") as f:
+        strip(f)
+        f.visititems(lambda _, o: strip(o))
+
+
 def test_files_without_checksums_still_load(tmp_path):
     path = _write(tmp_path / "d.h5")
-    with h5py.File(path, "r+") as f:  # what files written before checksums look like
-        f["episodes"].visititems(lambda n, o: o.attrs.__delitem__("crc32") if "crc32" in o.attrs else None)
+    _strip(path, "crc32", "layout_sha256")  # written before checksums and layout digests
     with Dataset(path) as ds:
         np.testing.assert_array_equal(ds.episode(2).action, _episode(seed=2).action)
     assert len(ChunkData(path, horizon=4)) == 30
@@ -691,7 +702,9 @@ def test_a_full_disk_on_a_real_tmpfs(tmp_path, small_disk):
     assert kept.read_bytes() == kept_bytes and not path.exists() and not _stray(small_disk), _stray(small_disk)
     _check_partial(path.with_name("d.h5.partial"), line)
     for p in small_disk.iterdir():
-        if p != kept:
+        if p.is_dir():
+            shutil.rmtree(p)  # (d.h5.episodes/, the journal of the kept episodes)
+        elif p != kept:
             p.unlink()
     data = _write(tmp_path / "t.h5", n=4)
     out = small_disk / "run"  # the first save (2.9 MB) fits, the second cannot be written beside it
@@ -701,3 +714,314 @@ def test_a_full_disk_on_a_real_tmpfs(tmp_path, small_disk):
     assert not _stray(small_disk) and kept.read_bytes() == kept_bytes, _stray(small_disk)
     assert torch.load(out / "train_state.pt", weights_only=True)["step"] in (2, 4)
     policies.load(out / "ckpt")
+
+
+# ----- 9. a killed collect (#46 item 3): no flushed episode lost, a re-run hint that tells the truth ----
+
+KILLED_WRITER = """
+import os, signal, sys
+sys.path.insert(0, "tests")
+from test_reliability_data import _episode
+from dataset import DatasetWriter
+w = DatasetWriter(sys.argv[1], "test/env", 5, 3)
+for i in range(int(sys.argv[2])):
+    w.add(_episode(seed=i))  # acknowledged: add() returned
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_writer(path: Path, n: int) -> None:
+    r = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(path), str(n)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == -9, r.stderr[-2000:]
+
+
+def _same_as_written(ds: Dataset, n: int) -> None:
+    assert len(ds) == n and ds.env_id == "test/env" and (ds.state_dim, ds.action_dim) == (5, 3)
+    for i in range(n):
+        got, want = ds.episode(i), _episode(seed=i)
+        for f in ("state", "action", "reward", "success", "sim_state", "final_state"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f))
+        assert (got.instruction, got.task_id, got.seed) == (want.instruction, want.task_id, want.seed)
+
+
+def test_a_kill_that_leaves_the_partial_unreadable_loses_no_flushed_episode(tmp_path, capsys):
+    """HDF5 is not crash-safe: a SIGKILL during its metadata writes left the whole .partial unreadable
+    (5 of 100 killed `collect` runs, flushed episodes lost in 1 of them) while the re-run said 'its
+    episodes are readable'. Before the fix, a .partial damaged like that lost all 3 acknowledged episodes."""
+    path = tmp_path / "d.h5"
+    partial = path.with_name("d.h5.partial")
+    _killed_writer(path, 3)
+    _truncate(partial, 0.4)  # what a kill in the middle of HDF5's metadata writes leaves: an unreadable file
+    with pytest.raises(DatasetError):
+        Dataset(partial)  # (not complete, and damaged anyway)
+    for name in (partial, path):  # the documented recovery, by either name while d.h5 does not exist
+        with Dataset(name, allow_incomplete=True) as ds:
+            _same_as_written(ds, 3)
+    with pytest.raises(FileExistsError, match=r"d\.h5\.partial exists: .* 3 episodes it wrote are recoverable: "
+                                              r"Dataset\(.*d\.h5\.partial', allow_incomplete=True\) reads them"):
+        DatasetWriter(path, "test/env", 5, 3)
+    _one_line_error(capsys, ["collect", "--env", "adroit/door", "--episodes", "1", "--out", str(path), "--no-progress"],
+                    "d.h5.partial exists", "3 episodes it wrote are recoverable", "--overwrite")
+    _write(path, n=2, overwrite=True)  # discards the killed run's .partial and journal
+    assert len(Dataset(path)) == 2 and not partial.exists() and not path.with_name("d.h5.episodes").exists()
+
+
+def test_an_episode_journaled_before_the_kill_is_recovered(tmp_path):
+    """Killed after an episode reached the journal but before it was copied into the .partial: the
+    recovery holds it too (and the .partial's own episodes stay consistent)."""
+    path = tmp_path / "d.h5"
+    code = KILLED_WRITER.replace("for i in range(int(sys.argv[2])):", "import h5py\nfor i in range(3):\n"
+                                 "    if i == 2:  # killed while copying it from the journal into the .partial\n"
+                                 "        h5py.Group.copy = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == -9, r.stderr[-2000:]
+    with Dataset(path.with_name("d.h5.partial"), allow_incomplete=True) as ds:
+        _same_as_written(ds, 3)
+    with h5py.File(path.with_name("d.h5.partial"), "r") as f:
+        assert sorted(f["episodes"]) == ["000000", "000001"]
+
+
+def test_the_rerun_hint_says_what_is_recoverable(tmp_path):
+    """Before the fix the hint said 'its episodes are readable' whatever the .partial held."""
+    path = tmp_path / "a.h5"  # killed before its first episode
+    _killed_writer(path, 0)
+    with pytest.raises(FileExistsError, match="no episode it wrote is recoverable"):
+        DatasetWriter(path, "test/env", 5, 3)
+    path = tmp_path / "b.h5"  # a .partial without a journal (an older writer's), damaged by the kill
+    _killed_writer(path, 2)
+    shutil.rmtree(path.with_name("b.h5.episodes"), ignore_errors=True)
+    intact = path.with_name("b.h5.partial").read_bytes()
+    with pytest.raises(FileExistsError, match="2 episodes it wrote are recoverable"):
+        DatasetWriter(path, "test/env", 5, 3)
+    _truncate(path.with_name("b.h5.partial"), 0.4)
+    with pytest.raises(FileExistsError, match=r"no episode in it is recoverable \(.*b\.h5\.partial"):
+        DatasetWriter(path, "test/env", 5, 3)
+    path.with_name("b.h5.partial").write_bytes(intact)
+    with Dataset(path.with_name("b.h5.partial"), allow_incomplete=True) as ds:
+        _same_as_written(ds, 2)
+
+
+def test_a_published_dataset_leaves_no_journal(tmp_path):
+    path = tmp_path / "d.h5"
+    w = DatasetWriter(path, "test/env", 5, 3)
+    w.add(_episode(seed=0))
+    journal = path.with_name("d.h5.episodes")
+    assert sorted(p.name for p in journal.iterdir()) == ["000000.h5", "header.json"]  # no .tmp: renamed when whole
+    w.close()
+    assert not journal.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["d.h5"]
+    with Dataset(path) as ds:
+        _same_as_written(ds, 1)
+
+
+@pytest.mark.slow
+def test_killed_collect_runs_lose_no_flushed_episode(tmp_path):
+    """20 real `groundflow collect` runs SIGKILLed at random moments (benchmarks/reliability.py
+    dataset_stale_partial does 200): every episode its progress bar counted reads back, and the re-run's
+    hint names exactly how many."""
+    import re
+    import signal
+    import time
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        path = tmp_path / f"d{i}.h5"
+        partial = path.with_name(path.name + ".partial")
+        proc = subprocess.Popen([sys.executable, "-m", "groundflow.cli", "collect", "--env", "adroit/door",
+                                 "--episodes", "5000", "--out", str(path), "--seed", str(i)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_MININTERVAL": "0",
+                                     "TQDM_MINITERS": "1"})
+        kill_at, deadline = rng.uniform(0.05e6, 1.2e6), time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            if partial.exists() and partial.stat().st_size >= kill_at:
+                break
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+        flushed = max((int(m) for m in re.findall(r"\| *(\d+)/5000", err)), default=0)
+        with Dataset(partial, allow_incomplete=True) as ds:
+            n = len(ds)
+            for j in range(n):
+                ds.episode(j)
+        assert n >= flushed, (i, n, flushed)
+        with pytest.raises(FileExistsError) as e:
+            DatasetWriter(path, "x", 1, 1)
+        said = re.search(r"(\d+|no) episodes? (?:it wrote|in it) (?:is|are) recoverable", str(e.value))
+        assert said and int(said.group(1).replace("no", "0")) == n, str(e.value)
+
+
+# ----- 10. metadata flips (#46 item 4): a layout digest, one error type, absurd values refused ------
+
+FLOAT32_MESSAGE = bytes.fromhex("11201f00040000000000200017080017")  # HDF5 datatype message: IEEE float32 LE
+
+
+def _flip_bit(path: Path, offset: int, bit: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def _flip_state_to_uint32(path: Path) -> None:
+    """One bit (float -> fixed-point class) turning episode 0's state from float32 to uint32: its bytes,
+    and so its crc32, unchanged."""
+    clean = path.read_bytes()
+    at = clean.find(FLOAT32_MESSAGE)
+    while at >= 0:
+        _flip_bit(path, at, 0)
+        with h5py.File(path, "r") as f:
+            if f["episodes/000000/state"].dtype == np.uint32:
+                return
+        path.write_bytes(clean)
+        at = clean.find(FLOAT32_MESSAGE, at + 1)
+    raise AssertionError("no float32 datatype message of episode 0's state found")
+
+
+@pytest.mark.parametrize("digests", [True, False], ids=["digested", "written-before-digests"])
+def test_a_dtype_flip_is_refused_not_trained_on(tmp_path, capsys, digests):
+    """Before the fix episode 0's state loaded as uint32 (values up to ~3e9) and `train` exited 0."""
+    path = _write(tmp_path / "d.h5")
+    if not digests:
+        _strip(path, "layout_sha256")
+    _flip_state_to_uint32(path)
+    with pytest.raises(DatasetError, match=r"d\.h5: episode 000000") as e:
+        with Dataset(path) as ds:
+            ds.episode(0)
+    assert "\n" not in str(e.value)
+    with pytest.raises(DatasetError, match=r"d\.h5: episode 000000"):
+        ChunkData(path, horizon=4)
+    _one_line_error(capsys, ["train", "--data", str(path), "--steps", "2", "--out", str(tmp_path / "r"), "--horizon",
+                             "4", "--n-exec", "2", "--batch-size", "8", "--wandb", "disabled", "--no-progress"],
+                    str(path), "episode 000000")
+
+
+def test_a_flipped_instruction_is_refused(tmp_path):
+    """Before the fix a flipped bit in episode 1's instruction loaded as 'push the bube 1'."""
+    path = _write(tmp_path / "d.h5")
+    at = path.read_bytes().find(b"push the cube 1")
+    _flip_bit(path, at + len("push the "), 0)  # c (0x63) -> b (0x62)
+    with h5py.File(path, "r") as f:
+        assert f["episodes/000001"].attrs["instruction"] == "push the bube 1"  # HDF5 itself sees nothing wrong
+    with Dataset(path) as ds:  # (checked when an episode is read, like its crc32s)
+        ds.episode(0)
+        for read in (lambda: ds.episode(1), lambda: ds.instructions, ds.frames):
+            with pytest.raises(DatasetError, match=r"d\.h5: episode 000001 fails its layout digest"):
+                read()
+    with pytest.raises(DatasetError, match=r"d\.h5: episode 000001 fails its layout digest"):
+        ChunkData(path, horizon=4)
+
+
+def test_absurd_values_are_refused_by_training(tmp_path):
+    """A float32 state of 1e9 has a valid checksum (it was written so); training refuses it anyway."""
+    src = _write(tmp_path / "ok.h5")
+    bad = tmp_path / "big.h5"
+    with Dataset(src) as ds, DatasetWriter(bad, "test/env", 5, 3) as w:
+        for i in range(len(ds)):
+            ep = ds.episode(i)
+            if i == 1:
+                ep.state[4, 2] = 3.2e9
+            w.add(ep)
+    with pytest.raises(DatasetError, match=r"big\.h5: episode 1 has absurd values in state \(\|x\| up to 3\.2e\+09 "
+                                           r"> 1e\+06\) at steps \[4\]"):
+        ChunkData(bad, horizon=4)
+
+
+def test_files_without_layout_digests_still_load_and_partial_digests_do_not(tmp_path):
+    path = _write(tmp_path / "d.h5")
+    _strip(path, "layout_sha256")  # a file written before digests (it has crc32s)
+    with Dataset(path) as ds:
+        np.testing.assert_array_equal(ds.episode(2).action, _episode(seed=2).action)
+    path = _write(tmp_path / "e.h5")
+    with h5py.File(path, "r+") as f:  # the digest of one episode gone (a flipped attribute name): not "an old file"
+        del f["episodes/000001"].attrs["layout_sha256"]
+    with pytest.raises(DatasetError, match=r"e\.h5: its header or episode index fails its layout digest"):
+        Dataset(path)
+
+
+def _raw_data_mask(path: Path) -> np.ndarray:
+    """True at the bytes of the file that are array data (covered by the crc32s), False at metadata."""
+    mask = np.zeros(path.stat().st_size, bool)
+
+    def visit(_, o):
+        if isinstance(o, h5py.Dataset):
+            if o.chunks is None:
+                if o.id.get_offset() is not None:
+                    mask[o.id.get_offset():o.id.get_offset() + o.id.get_storage_size()] = True
+            else:
+                for i in range(o.id.get_num_chunks()):
+                    c = o.id.get_chunk_info(i)
+                    mask[c.byte_offset:c.byte_offset + c.size] = True
+    with h5py.File(path, "r") as f:
+        f.visititems(visit)
+    return mask
+
+
+METADATA_NEEDLES = [b"instruction", b"task_id", b"seed", b"length", b"success", b"state", b"action", b"reward",
+                    b"sim_state", b"final_state", b"crc32", b"episodes", b"images", b"cam", b"000000", b"000001",
+                    b"000002", b"env_id", b"state_dim", b"action_dim", b"cameras", b"meta", b"complete", b"n_episodes",
+                    b"format", b"version", b"layout_sha256", b"push the cube", b"test/env", b"groundflow-dataset",
+                    b'{"k": 1}', FLOAT32_MESSAGE, bytes.fromhex("11203f00080000000000400034"),  # float64
+                    bytes.fromhex("1008000008000000"), bytes.fromhex("1000000001000000")]  # int64, uint8
+
+
+def _loaded(path: Path):
+    with Dataset(path) as ds:
+        return ((ds.env_id, ds.state_dim, ds.action_dim, ds.cameras, ds.meta, ds.instructions),
+                [ds.episode(i) for i in range(len(ds))])
+
+
+def _difference(a, b) -> str | None:
+    if a[0] != b[0] or len(a[1]) != len(b[1]):
+        return f"header {b[0]}"
+    for i, (x, y) in enumerate(zip(a[1], b[1])):
+        if (x.instruction, x.task_id, x.seed) != (y.instruction, y.task_id, y.seed):
+            return f"episode {i}: {y.instruction!r} {y.task_id!r} {y.seed!r}"
+        for f in ("state", "action", "reward", "success", "sim_state", "final_state", "final_sim_state", "images"):
+            u, v = getattr(x, f), getattr(y, f)
+            u, v = (u, v) if f != "images" else (u and u["cam"], v and v["cam"])
+            if (u is None) != (v is None) or (u is not None and (u.dtype != v.dtype or u.shape != v.shape
+                                                                   or not np.array_equal(u, v))):
+                return f"episode {i} {f}: {None if v is None else (v.dtype, v.shape)}"
+    return None
+
+
+def test_metadata_bit_flips_load_identical_or_raise_a_dataset_error(tmp_path):
+    """300 single-bit flips in the metadata of a small dataset (attribute names and values, datatype
+    messages, link names: 60% aimed at those, 40% anywhere outside the array data). Before the fix 1,500
+    such flips gave 88 silent changes (a float32 read as big-endian, sim_state gone, an instruction
+    changed) and 15 raw RuntimeError/ValueError/TypeError; now every load is identical or one DatasetError
+    naming the file."""
+    clean = tmp_path / "clean.h5"
+    rng = np.random.default_rng(0)
+    with DatasetWriter(clean, "test/env", 5, 3, cameras=("cam",), meta={"k": 1}) as w:
+        for i in range(3):
+            ep = _episode(seed=i)
+            ep.images = {"cam": rng.integers(0, 255, (len(ep), 8, 8, 3), dtype=np.uint8)}
+            w.add(ep)
+    want = _loaded(clean)
+    data = clean.read_bytes()
+    meta = ~_raw_data_mask(clean)
+    aimed = np.zeros(len(data), bool)
+    for needle in METADATA_NEEDLES:
+        at = data.find(needle)
+        while at >= 0:
+            aimed[at:at + len(needle)] = True
+            at = data.find(needle, at + 1)
+    meta, aimed = np.flatnonzero(meta), np.flatnonzero(aimed & meta)
+    path = tmp_path / "d.h5"
+    wrong = []
+    for _ in range(300):
+        offset, bit = int(rng.choice(aimed) if rng.random() < 0.6 else rng.choice(meta)), int(rng.integers(8))
+        bad = bytearray(data)
+        bad[offset] ^= 1 << bit
+        path.write_bytes(bytes(bad))
+        try:
+            diff = _difference(want, _loaded(path))
+            if diff is not None:
+                wrong.append(f"byte {offset} bit {bit}: loaded changed ({diff})")
+        except DatasetError as e:
+            if str(path) not in str(e) or "\n" in str(e):
+                wrong.append(f"byte {offset} bit {bit}: {e}")
+        except Exception as e:  # noqa: BLE001
+            wrong.append(f"byte {offset} bit {bit}: raw {type(e).__name__}: {e}")
+    assert not wrong, f"{len(wrong)}/300: " + "; ".join(wrong[:5])

@@ -58,7 +58,8 @@ class CollectArgs:
     max_attempts: int | None = None
     """give up after this many attempts (default 3x episodes)"""
     overwrite: bool = False
-    """replace an existing --out, or the .partial file a killed run left (refused otherwise)"""
+    """replace an existing --out, or the .partial file (and .episodes/ journal) a killed run left (refused
+    otherwise, in one line saying how many of its episodes are recoverable and how)"""
     env_options: dict[str, Any] = field(default_factory=dict)
     """extra options passed to envs.make"""
     progress: bool = True

@@ -14,6 +14,10 @@ import numpy as np
 
 from dataset import Dataset, DatasetError
 
+ABSURD = 1e6
+"""|state| or |action| above this in training data is refused: real ones stay below ~1e3 (a flipped
+exponent bit or a float read as an integer gives ~1e9 and more)"""
+
 
 class ChunkData:
     def __init__(self, paths: str | Path | Sequence[str | Path], horizon: int, cameras: Sequence[str] = (),
@@ -42,10 +46,19 @@ class ChunkData:
                 for i in idx:
                     ep = ds.episode(i, images=bool(self.cameras))
                     for name in ("state", "action"):  # a NaN sensor reading would only surface as a NaN loss
-                        bad = ~np.isfinite(getattr(ep, name)).all(axis=1)
+                        x = getattr(ep, name)
+                        if x.dtype.kind != "f":  # (float32 in every dataset written: a damaged datatype)
+                            raise DatasetError(f"{path}: episode {i} has {name} of dtype {x.dtype}, not float "
+                                               "(corrupt file?)")
+                        bad = ~np.isfinite(x).all(axis=1)
                         if bad.any():
                             raise DatasetError(f"{path}: episode {i} has NaN/inf in {name} at steps "
                                                f"{np.flatnonzero(bad)[:5].tolist()}; drop or repair it")
+                        big = (np.abs(x) > ABSURD).any(axis=1)
+                        if big.any():  # a flipped exponent bit, or data in the wrong units: never a state or action
+                            raise DatasetError(f"{path}: episode {i} has absurd values in {name} (|x| up to "
+                                               f"{float(np.abs(x).max()):.3g} > {ABSURD:.0e}) at steps "
+                                               f"{np.flatnonzero(big)[:5].tolist()}; corrupt file? drop or repair it")
                     T = len(ep)
                     states.append(ep.state)
                     actions.append(ep.action)
