@@ -40,9 +40,10 @@ only the larger half of the residuals (normalized size, ``C >= 4``) reproduces t
 ``rollout_slack`` rollouts beyond ``B`` while ``X`` is still every candidate, never once it has dropped a
 step. The attribution spends at most ``B + rollout_slack`` rollouts, and at most ``B`` whenever the guess
 holds (the causes are among the larger errors; big harmless errors in that half cost a query or two). The
-default slack, 2, pays for exactly the guess and the check of the result: when the guess fails the search
-goes straight to single-step ablation (``C + 4`` rollouts in all: a dense gap, or a cause among the small
-errors). ``rollout_slack = 0`` makes ``B`` a hard cap; then a search over an episode with a residual at
+default slack, 8, lets a search whose guess failed still try a few halvings before it commits to ablation:
+with a slack of 2 (the guess and the check only) a failed guess went straight to single-step ablation, and
+on Adroit door (T = 500, k = 2 teleports) that cost 503 rollouts and an unverified answer of 11 steps, where
+the search with 8 finds the 2 exact steps in 33. ``rollout_slack = 0`` makes ``B`` a hard cap; then a search over an episode with a residual at
 every step cannot open, and ablation's check of ``S*`` is skipped where it does not fit. Marginal effects,
 alternatives and channel typing only spend what is left of ``B``.
 """
@@ -88,7 +89,7 @@ class DebugConfig:
     """rollout budget B (None: what exhaustive ablation costs, candidates + 2; below that raises
     DebuggingError): the search switches to single-step ablation rather than exceed it, and exceeds it
     only when its opening guess fails, by at most rollout_slack (see the module docstring)"""
-    rollout_slack: int = 2
+    rollout_slack: int = 8
     """rollouts the search may risk beyond the budget before it has dropped any step (its opening guess
     and the check of the result; 0: B is a hard cap, and a search over an episode with a residual at
     every step cannot open)"""

@@ -272,7 +272,7 @@ class DebugArgs:
     """rollout budget (default: what exhaustive ablation costs, T + 2; less is an error): the search switches
     to single-step ablation rather than exceed it, and exceeds it only when its opening guess fails, by at
     most rollout_slack"""
-    rollout_slack: int = 2
+    rollout_slack: int = 8
     """rollouts the search may risk beyond the budget before it has dropped any step (0: a hard cap)"""
     exhaustive: bool = False
     """also run exhaustive single-step ablation (T rollouts) for comparison"""

@@ -185,7 +185,7 @@ def test_rollout_budget_when_the_opening_guess_fails():
     T = 50
     ep, _ = integrator_episode(0, T, k=0, noise=0.0)
     ep.reward[:] -= 0.25
-    for slack in (2, 0):
+    for slack in (8, 2, 0):
         res = debug(Integrator(), Constant(), ep, DebugConfig(outcome=Outcome("return"), rel_tol=0.1,
                                                               rollout_slack=slack))
         assert res.dense and res.fell_back and res.steps == []
