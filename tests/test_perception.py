@@ -202,3 +202,28 @@ def test_randomized_collection_changes_the_images_not_the_demos(tmp_path, env):
         assert np.abs(eb.images[cam].astype(int) - ea.images[cam]).mean() > 5
     with pytest.raises(Exception, match="FAMILY=MAGNITUDE"):
         collect(CollectArgs(**kw, out=tmp_path / "bad.h5", randomize=("sensor_noise=0.1",)))
+
+
+@pytest.mark.parametrize("recipe, env_id", [("pixels", "maniskill/TabletopSuite-v1"),
+                                            ("pixels_large", "maniskill/TabletopSuite-v1"),
+                                            ("pixels_kitchen", "robosuite/KitchenSuite")])
+def test_pixel_recipes_leave_only_proprioception_as_state_input(recipe, env_id):
+    """The real-arm contract at the recipe level: on its suite, every state slice a pixel recipe does not
+    hide is one a physical arm measures itself, and each estimated entry is hidden from the input."""
+    import envs
+    from envs import is_proprio, state_indices
+    from train.recipes import recipe_args
+    a = recipe_args(recipe)
+    env = envs.make(env_id)
+    try:
+        layout = env.state_layout
+    finally:
+        env.close()
+    hidden = set(state_indices(layout, a.ignore_state, env_id))
+    start = 0
+    for name, size in layout:
+        read = [i for i in range(start, start + size) if i not in hidden]
+        assert not read or is_proprio(name), f"{recipe} reads {name} ({len(read)} entries) on {env_id}"
+        start += size
+    estimated = set(state_indices(layout, a.estimate_state, env_id))
+    assert estimated and estimated <= hidden

@@ -33,6 +33,14 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         {**_MULTITASK, "cameras": ("workspace_camera", "hand_camera"), "image_size": 96,
          "ignore_state": ("*vel", "*_acc", "*_cube_pose", "*_goal_pos"),
          "estimate_state": ("*_cube_pose[0:3]", "*_goal_pos[0:2]"), "estimate_noise": 0.0}),
+    "pixels_kitchen": (
+        "the `pixels` recipe on the robosuite kitchen suite: robosuite's front camera (`agentview`) and the wrist "
+        "camera (`robot0_eye_in_hand`), 96 px; the head estimates the three objects' positions and the cubes' "
+        "heading (a cube's yaw sets the grasp); the plate and bin stand in fixed places and are not read "
+        "(benchmarks/pixels.py --suite kitchen)",
+        {**_MULTITASK, "cameras": ("agentview", "robot0_eye_in_hand"), "image_size": 96,
+         "ignore_state": ("*vel", "*_acc", "*_cube_*", "green_can_*", "gripper_to_*", "plate_pos", "bin_pos"),
+         "estimate_state": ("*_cube_pos", "green_can_pos", "*_cube_quat[2:4]"), "estimate_noise": 0.0}),
     "pixels_large": (
         "the `pixels` recipe for a GPU workstation: 128 px images and a head twice as wide (32 channels, 64 "
         "keypoints per camera); train its head longer (`groundflow train estimator --steps 30000`). Not measured: "
