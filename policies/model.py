@@ -346,9 +346,11 @@ class VLAModel(nn.Module):
             if texts:
                 save_file({f"i{i}": self.lang.cache[t].contiguous() for i, t in enumerate(texts)},
                           str(tmp / "language.safetensors"))
-            meta = {"format": FORMAT, "version": 1, "config": self.config.to_dict(), "instructions": texts,
-                    "extra": extra or {},
+            meta = {"format": FORMAT, "version": CONFIG_DIGEST_VERSION, "config": self.config.to_dict(),
+                    "instructions": texts, "extra": extra or {},
                     "sha256": {f.name: file_sha256(f) for f in sorted(tmp.glob("*.safetensors"))}}  # checked on load
+            meta = json.loads(json.dumps(meta))  # what a reader gets back (tuples as lists...): what the digest covers
+            meta[CONFIG_DIGEST] = config_digest(meta)
             (tmp / "config.json").write_text(json.dumps(meta, indent=2))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -377,9 +379,12 @@ def _resolve_checkpoint(d: Path, warn: bool = False) -> Path:
     return d
 
 
-def read_checkpoint_meta(directory: str | os.PathLike) -> dict:
+def read_checkpoint_meta(directory: str | os.PathLike, verify: bool = True) -> dict:
     """The checkpoint's config.json; ``DIR.old`` when ``DIR`` is missing because a save() was
-    interrupted between its two renames (the previous version is complete there)."""
+    interrupted between its two renames (the previous version is complete there). ``verify``: refuse
+    a config.json whose content differs from the digest recorded in it when it was saved
+    (``check_config_digest``); what eval, serve and training read from it (env id, instructions,
+    measured errors, data paths) is then what was saved, even without loading the weights."""
     d = _resolve_checkpoint(Path(directory), warn=True)
     cfg = d / "config.json"
     if not cfg.is_file():
@@ -388,10 +393,47 @@ def read_checkpoint_meta(directory: str | os.PathLike) -> dict:
         meta = json.loads(cfg.read_text())
     except ValueError as e:  # truncated or garbled JSON, bad UTF-8
         raise CheckpointError(f"{cfg} is not valid JSON (truncated or corrupt?): {e}") from e
+    if verify and isinstance(meta, dict) and (meta.get("format") == FORMAT or CONFIG_DIGEST in meta):
+        check_config_digest(meta, cfg)  # first: a flip in "format" is a changed file, not a foreign one
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         fmt = meta.get("format") if isinstance(meta, dict) else None
         raise ValueError(f"{d}: not a groundflow policy checkpoint (format={fmt!r})")
     return meta
+
+
+CONFIG_DIGEST = "config_sha256"
+"""config.json's entry holding the sha256 of its own content (``config_digest``)"""
+CONFIG_DIGEST_VERSION = 2
+"""the checkpoint version from which config.json carries ``CONFIG_DIGEST`` (1: none, loaded unchecked)"""
+
+
+def config_digest(meta: dict) -> str:
+    """Hex sha256 of the canonical JSON (sorted keys, no spaces, ASCII) of everything in config.json but
+    its ``CONFIG_DIGEST`` entry: the config, the instruction texts that name the stored language
+    features, ``extra`` and the weights' digests. Indentation and key order do not count."""
+    body = {k: v for k, v in meta.items() if k != CONFIG_DIGEST}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return hashlib.sha256(canon.encode("ascii")).hexdigest()
+
+
+def check_config_digest(meta: dict, cfg: Path) -> None:
+    """Refuse a config.json (``cfg``) whose content changed after it was saved: a flipped character in
+    an instruction (``'open"the door'``), a dimension or an ``extra`` value still parses, and would
+    silently condition the policy on another text or change what eval reads. Checkpoints written
+    before the digest (version 1, no ``CONFIG_DIGEST``) load unchecked; a version-2 one without it
+    (a damaged entry name) is refused."""
+    want = meta.get(CONFIG_DIGEST)
+    version = meta.get("version")
+    if want is None and not (isinstance(version, int) and version >= CONFIG_DIGEST_VERSION):
+        return
+    if not isinstance(want, str):
+        raise CheckpointError(f"{cfg} records no valid digest of its own content ({CONFIG_DIGEST!r}: "
+                              f"{str(want)[:80]}, version {str(version)[:20]}): edited by hand or corrupt")
+    got = config_digest(meta)
+    if got != want:
+        raise CheckpointError(f"{cfg} fails its digest (sha256 of its content {got[:16]}..., it records "
+                              f"{want[:16]}...): it changed after it was saved (edited by hand or corrupt; an "
+                              "instruction, a dimension or a recorded value may differ from what was trained)")
 
 
 def file_sha256(path: Path) -> str:

@@ -125,7 +125,8 @@ def test_guidance_reads_the_policys_action_variance(tmp_path):
     w = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
     save_file({k: v for k, v in w.items() if k != "normalizer.action_var"}, str(tmp_path / "ckpt" / "model.safetensors"))
     meta = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    del meta["sha256"]  # such checkpoints also predate the weights' digest
+    del meta["sha256"], meta["config_sha256"]  # such checkpoints also predate the weights' and config's digests
+    meta["version"] = 1
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(meta))
     q = policies.load(tmp_path / "ckpt")
     assert q.normalizer.action_variance() is None

@@ -15,6 +15,7 @@ from tqdm import tqdm
 import envs
 from envs.errors import InvalidOptionError
 from dataset import DatasetWriter, EpisodeBuffer
+from dataset.hdf5 import check_output_path
 
 
 @dataclass
@@ -92,6 +93,7 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
         raise InvalidOptionError("give exactly one of --env or --suite")
     if args.episodes < 1:
         raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
+    check_output_path(args.out)  # before the env starts: a directory used to fail only after every episode
     env_id = envs.suite_env_id(args.suite) if args.suite else args.env
     options = dict(args.env_options)
     if args.cameras:
