@@ -353,13 +353,13 @@ def _suite_rows(a: Args) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]
     rows: dict[str, Any] = {}
     heads: dict[str, Any] = {}
     for name in METHODS:
-        clean = _piece(a, name, "clean")
-        if not clean.exists():
-            continue
-        r = json.loads(clean.read_text())
-        lat, dep = _piece(a, name, "latency"), _piece(a, name, "deploy")
-        cond = {c: json.loads(_piece(a, name, c).read_text()) for c in ("camera", "lighting")
+        cond = {c: json.loads(_piece(a, name, c).read_text()) for c in ("clean", "camera", "lighting")
                 if _piece(a, name, c).exists()}
+        if not cond:
+            continue
+        r = cond.get("clean") or {"success_rate": None, "ci95": None, "did_other_task_rate": None,
+                                  "per_instruction": {}, "episodes": next(iter(cond.values()))["episodes"]}
+        lat, dep = _piece(a, name, "latency"), _piece(a, name, "deploy")
         ckpt = json.loads((_final_dir(a, name) / "config.json").read_text())
         inputs = ckpt["extra"].get("inputs", {})
         rows[name] = {
@@ -394,7 +394,8 @@ def merge(a: Args) -> None:
         if not rows:
             continue
         # recommended: the best clean success among deployable rows keeping >= 0.8 x it under both perturbations
-        robust = {k: v for k, v in rows.items() if not v["reads_object_state"] and v["camera_shift"] is not None
+        robust = {k: v for k, v in rows.items() if not v["reads_object_state"] and v["success"] is not None
+                  and v["camera_shift"] is not None
                   and v["lighting"] is not None and min(v["camera_shift"], v["lighting"]) >= 0.8 * v["success"]}
         if robust:
             out["recommended"][suite] = max(robust, key=lambda k: robust[k]["success"])
