@@ -166,6 +166,8 @@ class EncoderProcess:
     def _start(self) -> None:
         from multiprocessing.connection import Connection
         mine, theirs = socket.socketpair()
+        for end in (mine, theirs):  # a socket.setdefaulttimeout() elsewhere in the process makes them
+            end.setblocking(True)   # non-blocking, and Connection's reads then fail with EAGAIN
         try:
             # its stdout is the server's stderr: the server's stdout carries what it prints for scripts
             proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(theirs.fileno())], pass_fds=(theirs.fileno(),),

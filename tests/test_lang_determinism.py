@@ -78,6 +78,23 @@ def test_encoder_process_gives_the_same_bits(cache):
         assert torch.equal(got[t], ref[t]), (t, float((got[t] - ref[t]).abs().max()))
 
 
+def test_encoder_process_works_under_a_default_socket_timeout(cache):
+    """A library that calls socket.setdefaulttimeout() makes new sockets non-blocking; the encoder's
+    pipe then failed with EAGAIN (seen in the full test run, not alone)."""
+    import socket
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5.0)
+    try:
+        proc = EncoderProcess()
+        try:
+            got = proc.encode(PUSH[:1], "pooled", 1)
+        finally:
+            proc.close()
+    finally:
+        socket.setdefaulttimeout(old)
+    assert got[PUSH[0]].shape[-1] == 384
+
+
 def _long_lived_cache(path, monkeypatch) -> None:
     """A cache as other jobs leave it: the demo's instructions encoded before the demo ran, one at a
     time, in reverse order, on two threads, then again in a batch with other texts."""

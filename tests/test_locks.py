@@ -164,9 +164,10 @@ def test_two_trains_on_the_same_out(tmp_path):
     finally:
         first.send_signal(signal.SIGINT)
         try:
-            first.wait(60)
+            first.wait(120)
         except subprocess.TimeoutExpired:
             first.kill()
+            first.wait()  # the lock goes only when the process has gone
     # the lock goes with the process: the next run on that --out starts
     from train.bc import TrainArgs, train
     assert train(TrainArgs(data=(data,), out=out, steps=2, save_every=1, horizon=4, n_exec=2, batch_size=8,
