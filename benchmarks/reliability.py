@@ -1468,58 +1468,13 @@ def case_debugging_rollout_bound(tmp: Path) -> Result:
     rollouts against single-step ablation's T + 2; it must find the faults and never cost more than
     that ablation (nor than the budget it announces, ``rollout_budget``), with or without max_rollouts."""
     from deploy.debugging import DebugConfig, Outcome, debug
-    from envs.base import GroundflowEnv
-    from dataset import Episode
-
-    class Integrator(GroundflowEnv):
-        """x <- x + a / 16 (exact in float32), reward 1 per step; the state is the observation."""
-        env_id, backend = "toy/integrator", "toy"
-        sim_state_is_observation = True
-
-        def __init__(self):
-            super().__init__(2, -np.ones(1), np.ones(1), max_episode_steps=10**6, instruction="drift")
-            self.x = np.zeros(2)
-
-        def _reset(self, seed, options):
-            self.x = np.zeros(2)
-            return self.x.copy(), {}, {"success": False}
-
-        def _step(self, a):
-            self.x = self.x + np.array([float(a[0]) / 16, 0.0])
-            return self.x.copy(), {}, 1.0, False, False, {"success": False}
-
-        def get_sim_state(self):
-            return self.x.copy()
-
-        def set_sim_state(self, x):
-            self.x = np.asarray(x, np.float64).reshape(2).copy()
-
-        def observe(self):
-            return self._obs(self.x.copy(), {})
-
-    class Constant:
-        stateless = True
-
-        def select_action(self, obs):
-            return np.ones(1, np.float32)
+    from deploy.debugging_faults import ConstantPolicy, Integrator, integrator_episode
 
     T, k, n = 50, 8, 20
+    pi = ConstantPolicy()
     rows = []
-    for s in range(n):
-        rng = np.random.default_rng([SEED, s])
-        causes = sorted(rng.choice(T, k, replace=False).tolist())
-        env, pi = Integrator(), Constant()
-        obs, _ = env.reset(seed=s)
-        S, A, R, X = [], [], [], []
-        for t in range(T):
-            X.append(env.get_sim_state())
-            S.append(obs["state"])
-            A.append(pi.select_action(obs))
-            obs, r, *_ = env.step(A[-1])
-            R.append(r + rng.normal(0, 1e-3) - (1.0 if t in causes else 0.0))  # small errors everywhere, 8 faults
-        ep = Episode(state=np.array(S, np.float32), action=np.array(A, np.float32), reward=np.array(R, np.float32),
-                     success=np.zeros(T, bool), instruction="drift", task_id=0, seed=s, sim_state=np.array(X),
-                     final_state=obs["state"], final_sim_state=env.get_sim_state())
+    for s in range(n):  # small errors everywhere, 8 faults
+        ep, causes = integrator_episode(s, T, k, fault=-1.0, noise=1e-3, rng_seed=[SEED, s])
         free = debug(Integrator(), pi, ep, DebugConfig(outcome=Outcome("return"), rel_tol=0.1))
         capped = debug(Integrator(), pi, ep, DebugConfig(outcome=Outcome("return"), rel_tol=0.1, max_rollouts=T + 2))
         rows.append({"free": free.rollouts, "free_ok": free.steps == causes, "capped": capped.rollouts,

@@ -239,3 +239,64 @@ class DapgMeanPolicy:
         x = np.tanh(x @ p["W1"].T + p["b1"])
         x = x @ p["W2"].T + p["b2"]
         return np.clip(x * p["out_scale"] + p["out_shift"], -1, 1).astype(np.float32)
+
+
+class Integrator(GroundflowEnv):
+    """A synthetic system whose attribution is known exactly: x <- x + a / 16 (exact in float32),
+    reward 1 per step; the state is the observation. With :class:`ConstantPolicy` and reward faults
+    (:func:`integrator_episode`) the causes are exactly the faulty steps."""
+
+    env_id, backend = "toy/integrator", "toy"
+    sim_state_is_observation = True
+
+    def __init__(self):
+        super().__init__(2, -np.ones(1), np.ones(1), max_episode_steps=10**6, instruction="drift")
+        self.x = np.zeros(2)
+
+    def _reset(self, seed, options):
+        self.x = np.zeros(2)
+        return self.x.copy(), {}, {"success": False}
+
+    def _step(self, a):
+        self.x = self.x + np.array([float(a[0]) / 16, 0.0])
+        return self.x.copy(), {}, 1.0, False, False, {"success": False}
+
+    def get_sim_state(self):
+        return self.x.copy()
+
+    def set_sim_state(self, x):
+        self.x = np.asarray(x, np.float64).reshape(2).copy()
+
+    def observe(self):
+        return self._obs(self.x.copy(), {})
+
+
+class ConstantPolicy:
+    """Always the action 1 (stateless)."""
+
+    stateless = True
+
+    def select_action(self, obs):
+        return np.ones(1, np.float32)
+
+
+def integrator_episode(seed: int, T: int = 50, k: int = 8, fault: float = -1.0, noise: float = 1e-3,
+                       rng_seed: Any = None) -> tuple[Episode, list[int]]:
+    """(episode, causes): :class:`Integrator` under :class:`ConstantPolicy` for ``T`` steps, its
+    recorded rewards off by N(0, ``noise``) at every step and by ``fault`` at ``k`` random steps (the
+    causes). The draws come from ``rng_seed`` (default ``[0, seed]``)."""
+    rng = np.random.default_rng([0, seed] if rng_seed is None else rng_seed)
+    causes = sorted(rng.choice(T, k, replace=False).tolist())
+    env, pi = Integrator(), ConstantPolicy()
+    obs, _ = env.reset(seed=seed)
+    S, A, R, X = [], [], [], []
+    for t in range(T):
+        X.append(env.get_sim_state())
+        S.append(obs["state"])
+        A.append(pi.select_action(obs))
+        obs, r, *_ = env.step(A[-1])
+        R.append(r + rng.normal(0, noise) + (fault if t in causes else 0.0))
+    ep = Episode(state=np.array(S, np.float32), action=np.array(A, np.float32), reward=np.array(R, np.float32),
+                 success=np.zeros(T, bool), instruction="drift", task_id=0, seed=seed, sim_state=np.array(X),
+                 final_state=obs["state"], final_sim_state=env.get_sim_state())
+    return ep, causes

@@ -16,7 +16,8 @@ import torch
 import envs
 from deploy.debugging import (DebugConfig, DebuggingError, ModelStateError, Outcome, StateLayoutError, TrajectoryError,
                               attribute, debug, exhaustive_ablation, prepare)
-from deploy.debugging_faults import DapgMeanPolicy, Fault, FaultyEnv, PushCubeController, record_episode
+from deploy.debugging_faults import (ConstantPolicy, DapgMeanPolicy, Fault, FaultyEnv, Integrator, PushCubeController,
+                                     integrator_episode, record_episode)
 from deploy.debugging_report import debug_command
 from envs.base import GroundflowEnv
 from envs.shifted import make_shifted
@@ -102,60 +103,6 @@ def test_search_never_costs_more_than_ablation_plus_a_constant(policy, model, st
         assert all(a.effect == pytest.approx(-100.0, abs=10.0) for a in res.causal)
 
 
-class Integrator(GroundflowEnv):
-    """x <- x + a / 16 (exact in float32), reward 1 per step; the state is the observation."""
-
-    env_id, backend = "toy/integrator", "toy"
-    sim_state_is_observation = True
-
-    def __init__(self):
-        super().__init__(2, -np.ones(1), np.ones(1), max_episode_steps=10**6, instruction="drift")
-        self.x = np.zeros(2)
-
-    def _reset(self, seed, options):
-        self.x = np.zeros(2)
-        return self.x.copy(), {}, {"success": False}
-
-    def _step(self, a):
-        self.x = self.x + np.array([float(a[0]) / 16, 0.0])
-        return self.x.copy(), {}, 1.0, False, False, {"success": False}
-
-    def get_sim_state(self):
-        return self.x.copy()
-
-    def set_sim_state(self, x):
-        self.x = np.asarray(x, np.float64).reshape(2).copy()
-
-    def observe(self):
-        return self._obs(self.x.copy(), {})
-
-
-class Constant:
-    stateless = True
-
-    def select_action(self, obs):
-        return np.ones(1, np.float32)
-
-
-def integrator_episode(seed, T=50, k=8, fault=-1.0, noise=1e-3):
-    """The reliability benchmark's case: k reward faults at random steps, small reward errors everywhere."""
-    rng = np.random.default_rng([0, seed])
-    causes = sorted(rng.choice(T, k, replace=False).tolist())
-    env, pi = Integrator(), Constant()
-    obs, _ = env.reset(seed=seed)
-    S, A, R, X = [], [], [], []
-    for t in range(T):
-        X.append(env.get_sim_state())
-        S.append(obs["state"])
-        A.append(pi.select_action(obs))
-        obs, r, *_ = env.step(A[-1])
-        R.append(r + rng.normal(0, noise) + (fault if t in causes else 0.0))
-    ep = Episode(state=np.array(S, np.float32), action=np.array(A, np.float32), reward=np.array(R, np.float32),
-                 success=np.zeros(T, bool), instruction="drift", task_id=0, seed=seed, sim_state=np.array(X),
-                 final_state=obs["state"], final_sim_state=env.get_sim_state())
-    return ep, causes
-
-
 def test_search_never_costs_more_than_exhaustive_ablation():
     # T = 50, k = 8 reward faults, small errors at every step: the search went up to 60 rollouts
     # (ablation's T + 2 = 52 plus rollout_slack), on about two seeds in three, max_rollouts = 52 or not
@@ -165,7 +112,7 @@ def test_search_never_costs_more_than_exhaustive_ablation():
         ep, causes = integrator_episode(seed, T, k)
         for cap in (None, T + 2):
             cfg = DebugConfig(outcome=Outcome("return"), rel_tol=0.1, max_rollouts=cap)
-            prep = prepare(Integrator(), Constant(), ep, cfg)
+            prep = prepare(Integrator(), ConstantPolicy(), ep, cfg)
             res = attribute(prep, cfg)
             assert res.steps == causes and res.verified, seed  # precision and recall 1
             assert all(a.effect == pytest.approx(-1.0, abs=0.01) and a.error_type == "reward" for a in res.causal)
@@ -186,18 +133,18 @@ def test_rollout_budget_when_the_opening_guess_fails():
     ep, _ = integrator_episode(0, T, k=0, noise=0.0)
     ep.reward[:] -= 0.25
     for slack in (8, 2, 0):
-        res = debug(Integrator(), Constant(), ep, DebugConfig(outcome=Outcome("return"), rel_tol=0.1,
+        res = debug(Integrator(), ConstantPolicy(), ep, DebugConfig(outcome=Outcome("return"), rel_tol=0.1,
                                                               rollout_slack=slack))
         assert res.dense and res.fell_back and res.steps == []
         assert res.rollouts <= T + 2 + slack
         assert ("larger half" in res.message) == (slack > 0)  # a hard cap leaves no rollout for the guess
     # a sparse case under a hard cap (rollout_slack = 0): single-step ablation, within T + 2
     ep, causes = integrator_episode(1, T, k=8)
-    res = debug(Integrator(), Constant(), ep, DebugConfig(outcome=Outcome("return"), max_rollouts=T + 2,
+    res = debug(Integrator(), ConstantPolicy(), ep, DebugConfig(outcome=Outcome("return"), max_rollouts=T + 2,
                                                           rollout_slack=0))
     assert res.steps == causes and res.rollouts <= T + 2 and res.fell_back
     with pytest.raises(DebuggingError, match="below what single-step ablation costs"):
-        debug(Integrator(), Constant(), ep, DebugConfig(outcome=Outcome("return"), max_rollouts=T + 1))
+        debug(Integrator(), ConstantPolicy(), ep, DebugConfig(outcome=Outcome("return"), max_rollouts=T + 1))
 
 
 def test_interacting_causes_are_found_together(policy, model):
