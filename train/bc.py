@@ -430,7 +430,6 @@ def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, 
     rank, world = _dist()
     if args.batch_size % world:
         raise ValueError(f"batch size {args.batch_size} is not divisible by the {world} data-parallel ranks")
-    _check_args(args)
     device = _device(args.device, rank)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
