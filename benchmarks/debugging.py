@@ -226,7 +226,9 @@ def run_one(sys_: System, fault: str, T: int, k: int, exhaustive: bool, seed: in
     harmless = sys_.harmless(rng, T, set(gt))
     h_steps = sorted(f.step for f in harmless)
     ep = record_episode(sys_.make_real(T, causal + harmless, seed), sys_.policy, seed=seed, steps=T)
-    cfg = replace(sys_.config, max_rollouts=T + 2)  # what exhaustive ablation costs (+ rollout_slack only where the opening guess fails)
+    # what exhaustive ablation costs, + rollout_slack only where the opening guess fails (a max_rollouts
+    # alone would be a hard cap)
+    cfg = replace(sys_.config, max_rollouts=T + 2, rollout_slack=8)
     t0 = time.perf_counter()
     prep = prepare(sys_.model, sys_.policy, ep, cfg)
     residual_s = time.perf_counter() - t0

@@ -38,14 +38,17 @@ ablating it costs all of ``B``, and a query that does not reproduce drops nothin
 cause, every query of more than one step would be wasted). So the search opens with one guess -- patching
 only the larger half of the residuals (normalized size, ``C >= 4``) reproduces the outcome -- and may risk
 ``rollout_slack`` rollouts beyond ``B`` while ``X`` is still every candidate, never once it has dropped a
-step. The attribution spends at most ``B + rollout_slack`` rollouts, and at most ``B`` whenever the guess
-holds (the causes are among the larger errors; big harmless errors in that half cost a query or two). The
-default slack, 8, lets a search whose guess failed still try a few halvings before it commits to ablation:
-with a slack of 2 (the guess and the check only) a failed guess went straight to single-step ablation, and
-on Adroit door (T = 500, k = 2 teleports) that cost 503 rollouts and an unverified answer of 11 steps, where
-the search with 8 finds the 2 exact steps in 33. ``rollout_slack = 0`` makes ``B`` a hard cap; then a search over an episode with a residual at
-every step cannot open, and ablation's check of ``S*`` is skipped where it does not fit. Marginal effects,
-alternatives and channel typing only spend what is left of ``B``.
+step. The risk is taken only under the default budget: a ``max_rollouts`` the user sets is a hard cap
+(``rollout_slack`` defaults to 0 there), and the search opens only where its guess fits in it, else it
+is single-step ablation. Under the default budget the attribution spends at most ``B + rollout_slack``
+rollouts, and at most ``B`` whenever the guess holds (the causes are among the larger errors; big
+harmless errors in that half cost a query or two). The default slack, 8, lets a search whose guess
+failed still try a few halvings before it commits to ablation: with a slack of 2 (the guess and the
+check only) a failed guess went straight to single-step ablation, and on Adroit door (T = 500, k = 2
+teleports) that cost 503 rollouts and an unverified answer of 11 steps, where the search with 8 finds
+the 2 exact steps in 33. Under a hard cap a search over an episode with a residual at every step cannot
+open, and ablation's check of ``S*`` is skipped where it does not fit (the answer says it is unverified).
+Marginal effects, alternatives and channel typing only spend what is left of ``B``.
 """
 
 from __future__ import annotations
@@ -87,12 +90,20 @@ class DebugConfig:
     """|S*| above this fraction of the candidate steps: report the gap as dense"""
     max_rollouts: int | None = None
     """rollout budget B (None: what exhaustive ablation costs, candidates + 2; below that raises
-    DebuggingError): the search switches to single-step ablation rather than exceed it, and exceeds it
-    only when its opening guess fails, by at most rollout_slack (see the module docstring)"""
-    rollout_slack: int = 8
+    DebuggingError): the search switches to single-step ablation rather than exceed it. A value set here
+    is a hard cap; the default budget is exceeded only when the opening guess fails, by at most
+    rollout_slack (see the module docstring)"""
+    rollout_slack: int | None = None
     """rollouts the search may risk beyond the budget before it has dropped any step (its opening guess
-    and the check of the result; 0: B is a hard cap, and a search over an episode with a residual at
-    every step cannot open)"""
+    and the check of the result). None: 8 under the default budget, 0 (a hard cap) when max_rollouts is
+    set; with 0 a search over an episode with a residual at every step cannot open"""
+
+    @property
+    def slack(self) -> int:
+        """The rollout_slack in force (see rollout_slack)."""
+        if self.rollout_slack is not None:
+            return self.rollout_slack
+        return 8 if self.max_rollouts is None else 0
     checkpoint_stride: int | None = None
     check_actions: bool = True
     """check that the policy reproduces the recorded actions (deterministic, same checkpoint)"""
@@ -105,7 +116,7 @@ class DebugConfig:
                 raise DebuggingError(f"{name} must be a finite number >= 0, got {v}")
         if self.rel_tol >= 1:
             raise DebuggingError(f"rel_tol must be < 1 (a fraction of the gap), got {self.rel_tol}")
-        if self.rollout_slack < 0 or (self.max_rollouts is not None and self.max_rollouts < 0):
+        if (self.rollout_slack is not None and self.rollout_slack < 0) or (self.max_rollouts is not None and self.max_rollouts < 0):
             raise DebuggingError(f"max_rollouts and rollout_slack must be >= 0, got {self.max_rollouts}, "
                                  f"{self.rollout_slack}")
         return self
@@ -151,7 +162,7 @@ class Attribution:
     """divide and conquer would have exceeded the rollout budget: it finished with single-step ablation"""
     rollout_budget: int = 0
     """B (max_rollouts, default exhaustive ablation's candidates + 2): spent at most, unless the
-    search's opening guess failed (then at most B + rollout_slack)"""
+    budget is the default one and the search's opening guess failed (then at most B + rollout_slack)"""
     reproduction_error: float | None = None
     action_error: float | None = None
     candidates: int = 0
@@ -333,7 +344,7 @@ class _Search:
                                  "+ 2): no search can promise to finish within it; raise it or leave it unset "
                                  "(that cost)")
         cap = exhaustive if config.max_rollouts is None else config.max_rollouts
-        self.budget = _Budget(cap, self.eng, frozenset(self.candidates), config.rollout_slack, len(self.candidates))
+        self.budget = _Budget(cap, self.eng, frozenset(self.candidates), config.slack, len(self.candidates))
         self.notes: list[str] = []
         self.effects: dict[int, float] = {}  # fallback: single-step ablation effects relative to X
         self.context: list[frozenset] = []  # the patch each causal set's effects are measured against

@@ -270,10 +270,11 @@ class DebugArgs:
     find_alternatives: bool = True
     max_rollouts: int | None = None
     """rollout budget (default: what exhaustive ablation costs, T + 2; less is an error): the search switches
-    to single-step ablation rather than exceed it, and exceeds it only when its opening guess fails, by at
-    most rollout_slack"""
-    rollout_slack: int = 8
-    """rollouts the search may risk beyond the budget before it has dropped any step (0: a hard cap)"""
+    to single-step ablation rather than exceed it. A value given here is a hard cap; the default budget is
+    exceeded only when the opening guess fails, by at most rollout_slack"""
+    rollout_slack: int | None = None
+    """rollouts the search may risk beyond the budget before it has dropped any step (default: 8 under the
+    default budget, 0 with --max-rollouts; 0: a hard cap)"""
     exhaustive: bool = False
     """also run exhaustive single-step ablation (T rollouts) for comparison"""
     env_options: dict[str, str] = field(default_factory=dict)
