@@ -3,7 +3,9 @@
 ``--suite tabletop`` (12 instructions, random layouts) is seen by a fixed camera that frames the
 workspace (``workspace_camera``) and a wrist camera (``hand_camera``), 96 px; ``--suite kitchen``
 (robosuite, 6 instructions, random layouts) by robosuite's front camera (``agentview``) and the wrist
-camera (``robot0_eye_in_hand``), 96 px, 600 + 600 demos; ``--suite pushcube`` (configured, not yet run)
+camera (``robot0_eye_in_hand``), 96 px, 600 + 600 demos; ``--suite libero_goal`` (10 instructions) by
+LIBERO's ``agentview`` and wrist camera, 96 px, 500 + 300 demos from fresh placements with DART noise,
+evaluated from LIBERO's own init states of each task; ``--suite pushcube`` (configured, not yet run)
 by ManiSkill's own ``base_camera`` (``SUITES``). Methods share the demos
 and the evaluation seeds; each is a policy plus, where it sees, a perception head
 (``--estimate-state``: object positions estimated from the images and the proprioception; the
@@ -40,6 +42,10 @@ from typing import Any, Literal
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, ROOT, machine, md_table  # noqa: E402
 
+# benchmarks/libero.py would shadow the LIBERO package (--suite libero_goal): take this folder (Python
+# puts it first for a script) off the path now that `common` is imported
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
@@ -65,6 +71,15 @@ class Suite:
     steps: int | None = None
     """policy steps (None: the recipe's)"""
     image_size: int = 96
+    env_options: tuple[tuple[str, Any], ...] = ()
+    """options of the evaluation env (e.g. LIBERO's own init states per task)"""
+    dr_demos_per_seed: int | None = None
+    """demos per randomized seed (None: demos_per_seed)"""
+
+    @property
+    def opts(self) -> dict[str, Any]:
+        """The env options every part evaluates with: the cameras, their size and the suite's own."""
+        return {"cameras": self.cameras, "image_size": self.image_size, **dict(self.env_options)}
 
     @property
     def randomize(self) -> tuple[str, ...]:
@@ -87,6 +102,15 @@ SUITES: dict[str, Suite] = {
                      ("*vel", "*_acc", "*_cube_*", "green_can_*", "gripper_to_*", "plate_pos", "bin_pos"),
                      ("*_cube_pos", "green_can_pos", "*_cube_quat[2:4]"), "multitask", (0, 20000), (40000, 60000),
                      300),
+    # LIBERO's own front view and wrist camera. Demos come from fresh placements with DART noise (no
+    # evaluation init state is trained on); evaluation uses LIBERO's init states of each task. The head
+    # estimates where each object and fixture stands and how far the drawers and the stove knob are
+    # turned; the objects' orientations and their offsets from the gripper are not read.
+    "libero_goal": Suite("libero/GoalSuite", ("--suite", "libero_goal", "--layout", "sampled", "--dart-noise", "0.1"),
+                         ("agentview", "robot0_eye_in_hand"), ("agentview",),
+                         ("*vel", "*_acc", "*_1_quat", "*_to_robot0_eef_*"),
+                         ("*_1_pos", "*_level_qpos", "*_button_qpos"), "multitask", (0, 20000), (40000, 60000),
+                         250, env_options=(("layout", "task"),), dr_demos_per_seed=150),
 }
 PARTS = RESULTS / "pixels_parts"
 GROUNDFLOW = str(ROOT / ".venv" / "bin" / "groundflow")
@@ -137,7 +161,7 @@ METHODS: dict[str, Method] = {
 @dataclass
 class Args:
     part: Literal["collect", "train", "eval", "latency", "deploy", "merge"] = "merge"
-    suite: Literal["tabletop", "pushcube", "kitchen"] = "tabletop"
+    suite: Literal["tabletop", "pushcube", "kitchen", "libero_goal"] = "tabletop"
     methods: tuple[str, ...] = ("head",)
     conditions: tuple[str, ...] = ("clean", "camera", "lighting")
     episodes: int = 120
@@ -180,7 +204,8 @@ def collect(a: Args) -> None:
                 continue
             extra = ["--randomize", *su.randomize] if which == "dr" else []
             cmd = [GROUNDFLOW, "collect", *su.collect, "--episodes",
-                   str(su.demos_per_seed), "--cameras", *su.cameras, "--image-size", str(su.image_size),
+                   str(su.demos_per_seed if which == "clean" else su.dr_demos_per_seed or su.demos_per_seed),
+                   "--cameras", *su.cameras, "--image-size", str(su.image_size),
                    "--seed", str(seed), "--out", str(path), "--no-progress", *extra]
             print("$", " ".join(cmd[1:]), flush=True)
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -240,7 +265,7 @@ def evaluate_part(a: Args) -> None:
     su = SUITES[a.suite]
     for name in a.methods:
         policy = policies.load(_final_dir(a, name), to_act=True)
-        opts = {"cameras": su.cameras, "image_size": su.image_size}
+        opts = su.opts
         for cond in a.conditions:
             env = envs.make(su.env, **opts)
             pseed = 1 if a.eval_seed == EVAL_SEED else a.eval_seed
@@ -264,7 +289,7 @@ def latency(a: Args) -> None:
     torch.set_num_threads(1)
     PARTS.mkdir(parents=True, exist_ok=True)
     su = SUITES[a.suite]
-    env = envs.make(su.env, cameras=su.cameras, image_size=su.image_size)
+    env = envs.make(su.env, **su.opts)
     obs, _ = env.reset(seed=EVAL_SEED)
     for name in a.methods:
         policy = policies.load(_final_dir(a, name), to_act=True)
@@ -306,7 +331,7 @@ def deploy_part(a: Args) -> None:
                                   cwd=ROOT, env=ONE_THREAD,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            opts = {"cameras": su.cameras, "image_size": su.image_size}
+            opts = su.opts
             probe = SimRobot(su.env, env_options=opts)
             probe.connect()
             spec = probe.spec
