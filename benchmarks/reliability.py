@@ -761,6 +761,182 @@ def case_train_diverged_no_ckpt(tmp: Path) -> Result:
     return res[0], res[1] + ("; no checkpoint on disk" if not (out / "ckpt").exists() else "; a finite checkpoint kept")
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """Child, between fork and exec: SIGINT raises KeyboardInterrupt, as after Ctrl+C in a terminal (a
+    process started in the background of a shell inherits SIGINT ignored); dies with its parent."""
+    from deploy.procs import _die_with_parent
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def case_train_interrupted_resume(tmp: Path) -> Result:
+    """#46 item 2: Ctrl+C (SIGINT) three times on a real `groundflow train` (400 steps, a save every 25),
+    each run continued with `--resume`: twice at a random step between two saves (the steps since the
+    last save are lost and redone), once just as it reaches a save step; then resumed to the end. The
+    loss history and the final weights (model, EMA, optimizer, OUT/ckpt) must equal an uninterrupted
+    run's bit for bit (else data_loss)."""
+    import torch
+
+    import policies
+    from deploy.procs import popen_tied
+    data = _write(tmp / "tiny.h5", n=4)
+    steps, every = 400, 25
+    base = ["-m", "groundflow.cli", "train", "--data", str(data), "--horizon", "4", "--n-exec", "2", "--batch-size",
+            "8", "--steps", str(steps), "--save-every", str(every), "--wandb", "disabled", "--seed", str(SEED)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1"}
+    full = run_py([*base, "--no-progress", "--out", str(tmp / "full")], timeout=240)
+    if full.returncode != 0:
+        return "unclear_error", f"the uninterrupted run failed: {one_error_line(full.stderr, 'train')[:200]}"
+    rng = np.random.default_rng(SEED)
+    out = tmp / "cut"
+    state = out / "train_state.pt"
+    cuts, redrawn, strays, kept = [], 0, [], 0
+    for i, between in enumerate((True, False, True)):
+        target = (kept // every + int(rng.integers(1, 3))) * every + (int(rng.integers(5, every - 5)) if between else 0)
+        proc = popen_tied([sys.executable, *base, "--out", str(out), *(["--resume"] if i else [])], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                          preexec_fn=_ctrl_c_as_in_a_terminal)
+        err: list[str] = []  # its progress bar (redrawn at every step) says how far it got
+        reader = threading.Thread(target=lambda p=proc: err.extend(iter(lambda: p.stderr.read(64), "")))
+        reader.start()
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            at = re.findall(rf"\| *(\d+)/{steps}", "".join(err[-8:]))
+            if at and int(at[-1]) >= target:
+                break
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+        reader.join(10)
+        text = "".join(err)
+        reached = max((int(m) for m in re.findall(rf"\| *(\d+)/{steps}", text)), default=-1)
+        kept = torch.load(state, weights_only=True)["step"]
+        lines = text.replace("\r", "\n").strip().splitlines() or [""]
+        said = [ln for ln in lines if "groundflow train:" in ln]
+        if rc == 0:
+            return "unclear_error", f"Ctrl+C {i + 1} came after the run finished (step {reached}): not interrupted"
+        if rc != 130 or not said or not said[-1].endswith("groundflow train: interrupted") or "Traceback" in text:
+            return "unclear_error", (f"Ctrl+C {i + 1} at step {reached}: exit {rc}, {(said or lines)[-1][-160:]!r}"
+                                     f"{' (traceback)' if 'Traceback' in text else ''}")
+        redrawn += not lines[-1].endswith("groundflow train: interrupted")
+        strays += [f"{q.name} after Ctrl+C {i + 1}" for q in out.iterdir() if q.name.endswith((".tmp", ".old"))]
+        cuts.append(f"at step {reached} (state kept: step {kept})")
+    resumed = run_py([*base, "--no-progress", "--out", str(out), "--resume"], timeout=240)
+    if resumed.returncode != 0:
+        return "unclear_error", f"the last --resume failed: {one_error_line(resumed.stderr, 'train')[:200]}"
+    a = torch.load(tmp / "full" / "train_state.pt", weights_only=True)
+    b = torch.load(state, weights_only=True)
+    la, lb = [h["loss"] for h in a["history"]], [h["loss"] for h in b["history"]]
+    differ = []
+    if [h["step"] for h in b["history"]] != list(range(1, steps + 1)):
+        differ.append(f"the resumed history's steps are not 1..{steps} ({len(b['history'])} entries)")
+    if la != lb:
+        first = next((k for k, (x, y) in enumerate(zip(la, lb)) if x != y), min(len(la), len(lb)))
+        differ.append(f"loss differs from step {first + 1}")
+    elif not _same_tree(a["history"], b["history"]):
+        differ.append("the history's other metrics (grad norm, lr) differ")
+    for part in ("model", "ema", "opt"):
+        if not _same_tree(a.get(part), b.get(part)):
+            differ.append(f"train_state.pt {part} differs")
+    if not _same_weights(policies.load(tmp / "full" / "ckpt"), policies.load(out / "ckpt")):
+        differ.append("OUT/ckpt weights differ")
+    detail = (f"Ctrl+C {', '.join(cuts)}: each exit 130 with 'groundflow train: interrupted'"
+              + (f" (the progress bar redrawn below it {redrawn}/{len(cuts)} times)" if redrawn else "")
+              + (f", left behind {strays}" if strays else "") + f"; resumed with --resume to step {b['step']}")
+    if differ:
+        return "data_loss", f"{detail}; against an uninterrupted run: {'; '.join(differ)}"
+    return "ok", (f"{detail}; loss history ({steps} steps), model, EMA and optimizer state and OUT/ckpt identical "
+                  "to an uninterrupted run's")
+
+
+def _same_tree(a: Any, b: Any) -> bool:
+    """Whether two training states (tensors in plain containers) hold exactly the same values."""
+    import torch
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _flip_bits(raw: bytes, path: Path, offsets: list[tuple[int, int]], load: Callable[[], bool]) -> tuple:
+    """Each (offset, bit) flipped alone in ``raw`` written to ``path``, then ``load()`` (True: loaded what
+    was saved): ({kind: count}, {kind: examples}) with kind identical, clear_error (one groundflow error
+    naming ``path``), silent (loaded something else) or unclear."""
+    tally = {"identical": 0, "clear_error": 0, "silent": 0, "unclear": 0}
+    examples: dict[str, list[str]] = {k: [] for k in tally}
+    for offset, bit in offsets:
+        bad = bytearray(raw)
+        bad[offset] ^= 1 << bit
+        path.write_bytes(bytes(bad))
+        try:
+            kind, what = ("identical", "") if load() else ("silent", f"byte {offset} bit {bit}: loaded changed")
+        except Exception as e:  # noqa: BLE001
+            r = judge_exception(e, str(path))
+            kind, what = ("clear_error" if r[0] == "clear_error" else "unclear"), f"byte {offset} bit {bit}: {r[1]}"
+        tally[kind] += 1
+        examples[kind].append(what)
+    path.write_bytes(raw)
+    return tally, examples
+
+
+def case_ckpt_weight_flips(tmp: Path) -> Result:
+    """#46 item 5: single-bit flips in a checkpoint's model.safetensors (40 at random offsets, 20 more
+    in its header: tensor names, dtypes, shapes, offsets) and in a run's train_state.pt (40 at random
+    offsets). Each must load exactly what was saved or be refused in one CheckpointError naming the
+    file; a flip that loads changed weights is data_loss. Then one flip inside the weights of each,
+    through `groundflow eval` and `groundflow train --resume`."""
+    import torch
+
+    import policies
+    from train.bc import _load_train_state
+    rng = np.random.default_rng(SEED)
+    ckpt = tmp / "ckpt"
+    p = _tiny_policy(SEED)
+    p.save(ckpt, extra={"env_id": "maniskill/PushCube-v1"})
+    weights = ckpt / "model.safetensors"
+    raw = weights.read_bytes()
+    header = 8 + int.from_bytes(raw[:8], "little")
+    offsets = [(int(o), int(b)) for o, b in zip(rng.integers(0, len(raw), 40), rng.integers(0, 8, 40))]
+    offsets += [(int(o), int(b)) for o, b in zip(rng.integers(0, header, 20), rng.integers(0, 8, 20))]
+    w_tally, w_ex = _flip_bits(raw, weights, offsets, lambda: _same_weights(policies.load(ckpt), p))
+    _, run, argv = _tiny_run(tmp)
+    state = run / "train_state.pt"
+    saved = torch.load(state, weights_only=True)
+    saved.pop("sha256", None)
+    st_raw = state.read_bytes()
+    st_offsets = [(int(o), int(b)) for o, b in zip(rng.integers(0, len(st_raw), 40), rng.integers(0, 8, 40))]
+    s_tally, s_ex = _flip_bits(st_raw, state, st_offsets,
+                               lambda: _same_tree(_load_train_state(state, torch.device("cpu")), saved))
+    # through the commands a user runs: a flip in the middle of the largest tensor's bytes
+    bad = bytearray(raw)
+    bad[(header + len(raw)) // 2] ^= 0x10
+    weights.write_bytes(bytes(bad))
+    code, _, err = cli(["eval", "--ckpt", str(ckpt), "--episodes", "1"])
+    eval_res = judge_cli(code, err, "eval", str(weights), "checksum")
+    biggest = max(saved["model"].values(), key=lambda t: t.numel()).contiguous().numpy().tobytes()
+    bad = bytearray(st_raw)
+    bad[st_raw.index(biggest) + len(biggest) // 2] ^= 0x10
+    state.write_bytes(bytes(bad))
+    code, _, err = cli(argv)
+    resume_res = judge_cli(code, err, "train", str(state), "checksum")
+
+    def said(n: int, what: str, t: dict[str, int]) -> str:
+        return (f"{n} flips in {what}: {t['identical']} loaded identical, {t['clear_error']} one CheckpointError "
+                f"naming the file, {t['silent']} loaded changed weights, {t['unclear']} unclear")
+    detail = (f"{said(len(offsets), 'model.safetensors (20 in its header)', w_tally)}; "
+              f"{said(len(st_offsets), 'train_state.pt', s_tally)}; `groundflow eval` on a flipped weight: "
+              f"{eval_res[1]}; `groundflow train --resume` on a flipped weight: {resume_res[1]}")
+    silent = w_ex["silent"] + s_ex["silent"]
+    if silent:
+        return "data_loss", detail + f"; e.g. {'; '.join(silent[:2])}"
+    if w_tally["unclear"] or s_tally["unclear"]:
+        return "unclear_error", detail + f"; e.g. {'; '.join((w_ex['unclear'] + s_ex['unclear'])[:2])}"
+    return worst(("clear_error", ""), eval_res, resume_res)[0], detail
+
+
 # ----- one writer per output, a full disk (#46 items 6 and 7) -------------------------------------
 
 GATED_COLLECT = """
@@ -1074,6 +1250,60 @@ def case_bad_prefix_far(tmp: Path) -> Result:
 
 def case_bad_prefix_nan(tmp: Path) -> Result:
     return _bad_request(tmp, ("bad_request", "prefix must be finite"), prefix=_prefix(np.nan), frozen=3, seed=0)
+
+
+def case_client_garbage_chunks(tmp: Path) -> Result:
+    """#46 item 11: a bare PolicyClient (no expect, no action_bounds) against a server that announces no
+    action bounds (a scripted policy) and replies with garbage instead of its chunk: 16 rows of 1e30, a
+    100,000-row chunk, then a 100,000-row chunk from a server announcing no horizon either. Each must be
+    refused with one clear error and never come back as a plan; the next good chunk still comes back."""
+    from deploy.client import PolicyClient
+    from deploy.scripted import JointTargetPolicy
+    from deploy.server import PolicyServer
+
+    class LyingServer(PolicyServer):
+        """Sends ``garbage`` instead of the policy's chunk, unchecked: an old or broken server."""
+        garbage: np.ndarray | None = None
+
+        def _reply(self, raw, t0):
+            reply = super()._reply(raw, t0)
+            if reply["type"] == "chunk" and self.garbage is not None:
+                reply["actions"] = self.garbage
+            return reply
+
+    f32 = np.float32
+    results: list[Result] = []
+    announced = []
+    for horizon in ("announced", None):
+        server = LyingServer(JointTargetPolicy(STATE, ACTION, np.zeros(7)), port=0)
+        if horizon is None:
+            server.metadata["horizon"] = None
+        garbage = [("16 rows of 1e30", np.full((16, ACTION), 1e30, f32), ("1e+30",)),
+                   ("100,000 rows", np.zeros((100_000, ACTION), f32), ("100000 rows",))]
+        with server as srv, PolicyClient(port=srv.port, timeout=30) as c:
+            announced.append(f"bounds {c.metadata.get('action_low')}, horizon {c.metadata.get('horizon')}")
+            if c.metadata.get("action_low") is not None or c.action_bounds is not None:
+                return "unclear_error", f"not a bare client against a server without bounds: {announced[-1]}"
+            for what, chunk, needles in garbage if horizon else garbage[1:]:
+                what += "" if horizon else " (no horizon announced)"
+                srv.garbage = chunk
+                try:
+                    a = c.infer(_obs()).actions
+                    results.append(("data_loss", f"{what}: returned as a plan (shape {a.shape}, max |a| "
+                                                 f"{np.abs(a).max():.3g})"))
+                except Exception as e:  # noqa: BLE001
+                    r = judge_exception(e, *needles)
+                    results.append((r[0], f"{what}: {r[1]}"))
+            srv.garbage = None
+            try:
+                after = c.infer(_obs()).actions
+                alive = after.shape[1] == ACTION and bool(np.isfinite(after).all()) and c.healthy
+            except Exception as e:  # noqa: BLE001
+                return worst(*results, ("crash", f"then a good chunk did not come back: {type(e).__name__}: {e}"))
+        if not alive:
+            return worst(*results, ("crash", "then the next good chunk was not accepted"))
+    out = worst(*results)
+    return out[0], f"server announces {announced[0]} (then {announced[1]}): {out[1]}; the next good chunk is accepted"
 
 
 def case_huge_instruction(tmp: Path) -> Result:
@@ -1425,6 +1655,69 @@ def case_deploy_policy_lost_exit_code(tmp: Path) -> Result:
     return judge_cli(proc.returncode, err, "deploy", "ended abnormally", "policy_lost")[0], detail
 
 
+def case_deploy_server_lost_recording(tmp: Path) -> Result:
+    """#46 item 12: `groundflow deploy --episodes 3 --record` (a real process) whose policy server goes away
+    as episode 1 starts (it stops while the episode's first request waits): exit non-zero, and the last
+    line of its output says the server was lost and names the file holding the recorded episode, which
+    must read back."""
+    from dataset import Dataset
+    from deploy.scripted import JointTargetPolicy
+    from deploy.server import PolicyServer
+    going, release = threading.Event(), threading.Event()
+
+    class GoesAway(JointTargetPolicy):
+        def reset(self):  # each episode starts with a reset; the second one (episode 1) finds the server going
+            if self.calls:
+                going.set()
+                release.wait(60)
+            super().reset()
+
+    rec = tmp / "rec.h5"
+    srv = PolicyServer(GoesAway(STATE, ACTION, HOME, gripper=1.0), port=0).start()
+    address = srv.address
+    stopper = threading.Thread(target=srv.stop)  # closes the connections, then waits for the handler
+    try:
+        proc = _deploy_proc(address, "--lockstep", "--episodes", "3", "--max-steps", "20", "--timeout", "2",
+                            "--record", str(rec))
+        try:
+            if going.wait(150):
+                stopper.start()
+            out, err = proc.communicate(timeout=150)
+        finally:
+            release.set()  # the handler waiting in reset() may end now
+            if proc.poll() is None:
+                proc.kill()
+    finally:
+        if stopper.is_alive():
+            stopper.join(30)
+        srv.stop()
+    if not going.is_set():
+        return "unclear_error", f"deploy never started episode 1 (exit {proc.returncode}): {err.strip()[-200:]}"
+    last = (err.strip().splitlines() or [""])[-1]
+    reasons = _reasons(rec)
+    named = [q for q in (rec.with_name(rec.name + ".partial"), rec) if str(q) in last]
+    detail = f"exit {proc.returncode}; last line: {last[:400]}; recorded reasons {reasons}".replace(address, "$ADDR")
+    if proc.returncode == 0:
+        return "unclear_error", "exit 0 although the server was lost: " + detail
+    if "Traceback" in err:
+        return "unclear_error", detail + " (traceback)"
+    res = judge_cli(proc.returncode, err, "deploy", "policy server", "lost")
+    if not last.startswith("groundflow deploy: error:"):
+        res = ("unclear_error", f"{res[1]} (not the last line)")
+    if not named:
+        return worst(res, ("unclear_error", "the last line names no recording")), detail
+    try:
+        with Dataset(named[0], allow_incomplete=True) as ds:
+            n = len(ds)
+            for i in range(n):
+                ds.episode(i)
+    except Exception as e:  # noqa: BLE001
+        return "data_loss", detail + f"; {named[0].name} does not read back: {type(e).__name__}: {str(e)[:120]}"
+    if n != 1 or reasons[:1] != ["max_steps"]:
+        return "data_loss", detail + f"; {named[0].name} holds {n} episode(s), episode 0 recorded as {reasons[:1]}"
+    return res[0], detail + f"; {named[0].name} reads back its 1 episode"
+
+
 def case_deploy_interrupted_reason(tmp: Path) -> Result:
     """Ctrl+C twice on a running `groundflow deploy --record` (a real process)."""
     from deploy.scripted import JointTargetPolicy
@@ -1459,6 +1752,141 @@ def case_deploy_interrupted_reason(tmp: Path) -> Result:
     if proc.returncode == 0:
         return "unclear_error", "exit 0 after an interrupt: " + detail
     return "ok", detail
+
+
+def _serve_proc(log: Path, *argv: str) -> tuple[subprocess.Popen, str]:
+    """A real `groundflow serve ARGV --port 0` process (its log in ``log``) and the address it printed;
+    SIGINT stops it."""
+    from deploy.procs import popen_tied
+    with open(log, "w") as f:
+        proc = popen_tied([sys.executable, "-m", "groundflow.cli", "serve", *argv, "--port", "0"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=f, text=True, preexec_fn=_ctrl_c_as_in_a_terminal,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stdout:
+        m = re.match(r"serving on ws://(\S+) ", line)
+        if m:
+            return proc, m.group(1)
+    proc.wait(30)
+    raise RuntimeError(f"`groundflow serve` did not start (exit {proc.returncode}): {log.read_text()[-300:]}")
+
+
+def case_deploy_other_env(tmp: Path) -> Result:
+    """#46 item 8: a checkpoint trained on PushCube (as train/bc.py records it: env id and state layout)
+    served by a real `groundflow serve`, and a real `groundflow deploy --robot sim --env PullCube` (same
+    state and action dims, same state slice names, another task): refused in one line naming both
+    envs and --force; `--force` runs it; deployed on PushCube it runs."""
+    import torch
+
+    import envs
+    import policies
+    dims = {}
+    for env_id in ("maniskill/PushCube-v1", "maniskill/PullCube-v1"):
+        env = envs.make(env_id)
+        try:
+            dims[env_id] = (env.observation_space["state"].shape[0], env.action_space.shape[0],
+                            [name for name, _ in env.state_layout])
+        finally:
+            env.close()
+    push, pull = dims.values()
+    if push != pull:
+        return "unclear_error", f"PushCube and PullCube differ in dims or state slices: {push} vs {pull}"
+    state_dim, action_dim, layout = push
+    cfg = policies.PolicyConfig(kind="flow", state_dim=state_dim, action_dim=action_dim, horizon=4, n_exec=4,
+                                size="tiny")
+    torch.manual_seed(SEED)
+    m = policies.make_policy(cfg)
+    rng = np.random.default_rng(SEED)
+    m.fit_normalizer(rng.normal(size=(64, state_dim)), rng.uniform(-0.1, 0.1, size=(64, action_dim)))
+    m.lang.cache["move the cube"] = torch.zeros(1, cfg.lang_dim)  # the checkpoint's instruction (no MiniLM)
+    inputs = {"cameras": [], "state": layout, "estimated": [], "reads_object_state": True}
+    ckpt = m.save(tmp / "pushcube", extra={"env_id": "maniskill/PushCube-v1", "inputs": inputs})
+    srv, address = _serve_proc(tmp / "serve.log", "--ckpt", str(ckpt))
+    try:
+        def deploy(env_id: str, *extra: str) -> subprocess.CompletedProcess:
+            return run_py(["-m", "groundflow.cli", "deploy", "--robot", "sim", "--env", env_id, "--server", address,
+                           "--lockstep", "--episodes", "1", "--max-steps", "3", "--instruction", "move the cube",
+                           "--no-status", "--seed", str(SEED), *extra], timeout=180)
+
+        def ran(r: subprocess.CompletedProcess) -> bool:
+            return r.returncode == 0 and any(json.loads(x).get("steps") == 3 for x in r.stdout.splitlines()
+                                             if x.startswith('{"steps"'))
+        other = deploy("maniskill/PullCube-v1")
+        forced = deploy("maniskill/PullCube-v1", "--force")
+        same = deploy("maniskill/PushCube-v1")
+    finally:
+        srv.send_signal(signal.SIGINT)
+        try:
+            srv.wait(30)
+        finally:
+            if srv.poll() is None:
+                srv.kill()
+    if ran(other) or other.returncode == 0:
+        res: Result = ("unclear_error", f"deployed on PullCube without an error (exit {other.returncode})")
+    else:
+        res = judge_cli(other.returncode, other.stderr, "deploy", "maniskill/PushCube-v1", "maniskill/PullCube-v1",
+                        "--force")
+        last = (other.stderr.strip().splitlines() or [""])[-1]
+        if not last.startswith("groundflow deploy: error:"):
+            res = ("unclear_error", res[1] + f" (the last line is {last[:120]!r})")
+    results = [(res[0], f"PullCube: {res[1]}")]
+    warned = "--force" in forced.stderr
+    results.append(("ok", "--force: ran 3 steps" + (" with a warning" if warned else " (no warning)")) if ran(forced)
+                   else ("unclear_error", f"--force did not run it: exit {forced.returncode}, "
+                                          f"{one_error_line(forced.stderr, 'deploy')[:160]}"))
+    results.append(("ok", "on PushCube: ran 3 steps") if ran(same) else
+                   ("unclear_error", f"on PushCube it did not run: exit {same.returncode}, "
+                                     f"{one_error_line(same.stderr, 'deploy')[:160]}"))
+    stopped = f"`groundflow serve` stopped by Ctrl+C (exit {srv.returncode})"
+    if srv.returncode != 0:
+        results.append(("unclear_error", stopped))
+    out = worst(*results)
+    detail = f"same dims {state_dim}/{action_dim} and state slices; {out[1]}; {stopped}"
+    return max(out[0], "clear_error", key=SEVERITY.get), detail.replace(address, "127.0.0.1:$PORT")
+
+
+# ----- bad flags --------------------------------------------------------------------------------
+
+def case_bad_flags(tmp: Path) -> Result:
+    """#46 bad-input sweep, through the command line: `train --out` under a regular file, `train --steps
+    -5`, `train --horizon 100000` (must not hang), `serve --port 99999`, `serve --max-message-mb -1`,
+    `deploy --rate 0`, `eval --episodes 0` and `-3`. Each must be one `groundflow CMD: error:` line naming
+    the flag (or the file), exit 1, and write nothing. (A directory --out for collect, a port in use and a
+    hello with cameras=5 are the cases collect_out_is_dir, server_port_in_use and handshake_bad_types.)"""
+    data = _write(tmp / "tiny.h5", n=4)
+    afile = tmp / "afile"
+    afile.write_text("x")
+    ckpt = tmp / "ckpt"
+    _tiny_policy(SEED).save(ckpt, extra={"env_id": "maniskill/PushCube-v1"})
+    train = ["train", "--data", str(data), "--horizon", "4", "--n-exec", "2", "--batch-size", "8", "--steps", "2",
+             "--wandb", "disabled", "--no-progress"]
+    serve = ["serve", "--scripted", "joint_target", "--state-dim", str(STATE), "--action-dim", str(ACTION),
+             "--target", *["0"] * 7]
+    sweep = [("train --out under a file", [*train, "--out", str(afile / "run")], (str(afile), "is a file")),
+             ("train --steps -5", [*train, "--out", str(tmp / "r1"), "--steps", "-5"], ("--steps", "-5")),
+             ("train --horizon 100000", [*train, "--out", str(tmp / "r2"), "--horizon", "100000"],
+              ("--horizon", "100000")),
+             ("serve --port 99999", [*serve, "--port", "99999"], ("--port", "99999")),
+             ("serve --max-message-mb -1", [*serve, "--max-message-mb", "-1"], ("--max-message-mb", "-1")),
+             ("deploy --rate 0", ["deploy", "--robot", "sim", "--server", "127.0.0.1:9", "--no-status", "--rate", "0"],
+              ("--rate", "0")),
+             ("eval --episodes 0", ["eval", "--ckpt", str(ckpt), "--episodes", "0"], ("--episodes", "0")),
+             ("eval --episodes -3", ["eval", "--ckpt", str(ckpt), "--episodes", "-3"], ("--episodes", "-3"))]
+    before = sorted(str(q.relative_to(tmp)) for q in tmp.rglob("*"))
+    results = []
+    for what, argv, needles in sweep:
+        t0 = time.perf_counter()
+        code, _, err = cli(argv)
+        r = judge_cli(code, err, argv[0], *needles)
+        ms = (time.perf_counter() - t0) * 1e3
+        msg = r[1].split(": error: ", 1)[-1]
+        results.append((r[0], f"{what}: {msg if r[0] == 'clear_error' else r[1]} [{ms:.0f} ms]"))
+    after = sorted(str(q.relative_to(tmp)) for q in tmp.rglob("*"))
+    if after != before or afile.read_text() != "x":
+        results.append(("data_loss" if afile.read_text() != "x" else "unclear_error",
+                        f"written meanwhile: {sorted(set(after) - set(before))}"))
+    out = worst(*results)
+    n = sum(r[0] == "clear_error" for r in results)
+    return out[0], f"{n}/{len(sweep)} one line, exit 1, nothing written: {out[1]}"
 
 
 # ----- counterfactual debugging -----------------------------------------------------------------
@@ -1522,6 +1950,8 @@ CASES: dict[str, tuple[Callable[[Path], Result], float]] = {  # name -> (case, t
     "train_state_truncated": (case_train_state_truncated, 150),
     "train_state_crafted_pickle": (case_train_state_crafted_pickle, 150),
     "train_diverged_no_ckpt": (case_train_diverged_no_ckpt, 120),
+    "train_interrupted_resume": (case_train_interrupted_resume, 300),
+    "ckpt_weight_flips": (case_ckpt_weight_flips, 180),
     "dataset_lock_deleted": (case_dataset_lock_deleted, 300),
     "train_same_out": (case_train_same_out, 300),
     "disk_full": (case_disk_full, 300),
@@ -1531,6 +1961,7 @@ CASES: dict[str, tuple[Callable[[Path], Result], float]] = {  # name -> (case, t
     "bad_prefix_3e38": (case_bad_prefix_3e38, 90),
     "bad_prefix_far": (case_bad_prefix_far, 90),
     "bad_prefix_nan": (case_bad_prefix_nan, 90),
+    "client_garbage_chunks": (case_client_garbage_chunks, 90),
     "many_instructions": (case_many_instructions, 180),
     "huge_instruction": (case_huge_instruction, 90),
     "idle_clients": (case_idle_clients, 150),
@@ -1538,7 +1969,10 @@ CASES: dict[str, tuple[Callable[[Path], Result], float]] = {  # name -> (case, t
     "server_port_in_use": (case_server_port_in_use, 120),
     "handshake_bad_types": (case_handshake_bad_types, 90),
     "deploy_policy_lost_exit_code": (case_deploy_policy_lost_exit_code, 180),
+    "deploy_server_lost_recording": (case_deploy_server_lost_recording, 240),
     "deploy_interrupted_reason": (case_deploy_interrupted_reason, 180),
+    "deploy_other_env": (case_deploy_other_env, 300),
+    "bad_flags": (case_bad_flags, 120),
     "debugging_rollout_bound": (case_debugging_rollout_bound, 120),
 }
 
