@@ -1,0 +1,485 @@
+"""Instruction resolution: map a user's wording to a trained instruction or refuse (#43).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/language.py        # ~1 min on 1 core
+
+Per suite (tabletop 12 instructions, kitchen 6, LIBERO-Goal 10), three evaluation sets, kept apart:
+(A) the suites' held-out paraphrases (``Task.paraphrases``: evaluation only); (B) ~30 valid wordings
+per suite written by hand before any resolver code or threshold existed (tests/data/
+instruction_wordings.json "valid": synonyms, word order, polite/terse forms, left-hand, relative
+clauses, typos); (C) hand-written wordings the checkpoint cannot do ("invalid": unknown colour /
+object / verb, gibberish, empty, another suite's task, off-task), with ``untrained_combination``
+(swapped roles, attributes of two instructions) and ``underspecified`` reported apart as C+.
+Thresholds are chosen only on a calibration set generated from each suite's trained instructions
+(``policies.instructions.calibration_set``; the other suites' trained instructions as negatives);
+``suites.<name>.evaluation_wordings_also_generated`` lists evaluation wordings the generator happens
+to produce as well (same styles; the generator never reads the fixture).
+
+Methods. Nearest instruction by MiniLM: ``minilm_pooled`` (cosine of the pooled sentence features),
+``minilm_tokens`` (BERTScore-style F1: each content word-piece of the query aligned to its best
+contextual token of the instruction and back, IDF-weighted recall), ``minilm_words`` (the same over
+whole content words, each encoded alone); as refusers with a threshold refusing 2% of the generated
+valid wordings (``_threshold``) or 95% of the generated negatives (``_threshold_neg95``). The
+resolver (policies/instructions.py): ``slots+synonyms`` (the design: ``InstructionResolver.fit``'s
+defaults), ``slots+synonyms+minilm`` (+ MiniLM word similarity for unknown verbs and nouns, its
+threshold calibrated), ``slots+minilm`` and ``slots`` (without the generic synonym table).
+
+Sections of benchmarks/results/language.json:
+``encoders``: {method: {"one_word_margin", "retrieval_top1"}}: the nearest trained instruction by the
+  method's score, no refusal; one_word_margin: for every ordered pair of trained instructions that
+  differ in one word (left/right, red/blue, stove/plate), score(q, right) - score(q, swapped) for
+  the instruction itself (``trained``, ``trained_min``) and for its A and B wordings
+  (``wordings_mean``, ``wordings_min``, ``wordings_swapped``: share with a gap <= 0). Scores are each
+  method's own: cosine / F1; the resolver's is (support - unexplained words) / grounded words.
+``refusal``: {method: {"out_of_suite_refused", "valid_refused", "n_out", "n_valid", ...}} on C and A+B.
+``resolution``: {method: {suite: {"A", "B", "C_refused", "C+_refused", "C_by_kind", ...}}}: top-1
+  accuracy counting a refusal as a miss, with the valid wordings missed and the C wordings accepted.
+``timing``: the resolver's ms per call on 1 thread after warm-up (median, p99, max) over A+B+C, and
+  the MiniLM variant's with a cold word cache.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, md_table, write  # noqa: E402
+
+sys.path.insert(0, str(ROOT))  # `import policies` must find the package, not benchmarks/policies.py
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import tyro  # noqa: E402
+
+from policies.instructions import (SYNONYM_GROUPS, InstructionResolver, Lexicon, _split,  # noqa: E402
+                                   calibration_set, minilm_word_encoder)
+
+FIXTURE = ROOT / "tests" / "data" / "instruction_wordings.json"
+CORE_KINDS = ("unknown_colour", "unknown_object", "unknown_verb", "gibberish", "empty", "other_suite", "off_task")
+EXTRA_KINDS = ("untrained_combination", "underspecified")
+
+
+@dataclass
+class Args:
+    suites: tuple[str, ...] = ("tabletop", "kitchen", "libero_goal")
+    seed: int = 0
+    per_instruction: int = 24
+    """generated valid wordings per trained instruction in each calibration set"""
+    valid_refusal: float = 0.02
+    """threshold methods: the share of generated valid wordings they may refuse"""
+    out: str = "language"
+
+
+def load_suites(names: tuple[str, ...]) -> dict[str, dict]:
+    """Trained instructions and held-out paraphrases (set A) of each suite, from envs/."""
+    out = {}
+    for name in names:
+        if name == "tabletop":
+            from envs.maniskill_tasks.tabletop import TABLETOP_SUITE
+            tasks = [(t.instruction, t.paraphrases) for t in TABLETOP_SUITE.tasks]
+            source = "envs.maniskill_tasks.tabletop.TABLETOP_SUITE"
+        elif name == "kitchen":
+            from envs.kitchen import TASKS
+            tasks = [(t.instruction, t.paraphrases) for t in TASKS]
+            source = "envs.kitchen.TASKS"
+        elif name == "libero_goal":
+            from envs.libero import PARAPHRASES
+            try:
+                from envs.libero import _benchmark
+                bench = _benchmark("goal")
+                texts = [bench.get_task(i).language.strip().lower() for i in range(bench.n_tasks)]
+                source = "LIBERO's libero_goal benchmark + envs.libero.PARAPHRASES"
+            except Exception:  # noqa: BLE001  (LIBERO not installed: its 10 instructions are PARAPHRASES' keys)
+                texts, source = list(PARAPHRASES), "envs.libero.PARAPHRASES keys"
+            tasks = [(t, PARAPHRASES.get(t, ())) for t in texts]
+        else:
+            raise SystemExit(f"unknown suite {name!r}")
+        out[name] = {"instructions": [t for t, _ in tasks],
+                     "A": [(p, t) for t, ps in tasks for p in ps], "source": source}
+    fixture = json.loads(FIXTURE.read_text())
+    for name in names:
+        out[name]["B"] = [tuple(x) for x in fixture[name]["valid"]]
+        out[name]["C"] = [tuple(x) for x in fixture[name]["invalid"]]
+        bad = [t for _, t in out[name]["B"] if t not in out[name]["instructions"]]
+        if bad:
+            raise SystemExit(f"{FIXTURE}: {name} wordings name instructions the suite lacks: {bad}")
+    return out
+
+
+# ---- MiniLM features ------------------------------------------------------------------------
+
+class MiniLM:
+    """Pooled sentence features, contextual token features and single-word features, each text
+    encoded alone on one thread (policies.language ``_encode_with``), cached."""
+
+    def __init__(self):
+        from policies.language import _encode_with, _model
+        self.m, self._enc = _model(), _encode_with
+        self.pooled_cache: dict[str, np.ndarray] = {}
+        self.tok_cache: dict[str, tuple[np.ndarray, list[str]]] = {}
+        self.words = minilm_word_encoder()
+        self.function = Lexicon({}, synonyms=False).function_words
+
+    def pooled(self, text: str) -> np.ndarray:
+        if text not in self.pooled_cache:
+            self.pooled_cache[text] = self._enc(self.m, [text], "pooled", 1)[text][0].numpy().astype(np.float64)
+        return self.pooled_cache[text]
+
+    def tokens(self, text: str) -> tuple[np.ndarray, list[str]]:
+        """Normalised contextual features of the content word-pieces of ``text`` and their words."""
+        if text not in self.tok_cache:
+            feats = self._enc(self.m, [text], "tokens", 256)[text].numpy().astype(np.float64)
+            enc = self.m.tokenizer(text)
+            keep, words = [], []
+            for k, wid in enumerate(enc.word_ids()):
+                if wid is None or k >= len(feats):
+                    continue
+                s, e = enc.word_to_chars(wid)
+                w = text[s:e].lower()
+                if w in self.function or not any(c.isalnum() for c in w):
+                    continue
+                keep.append(k)
+                words.append(w)
+            f = feats[keep] if keep else np.zeros((0, feats.shape[1]))
+            f = f / np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-9)
+            self.tok_cache[text] = (f, words)
+        return self.tok_cache[text]
+
+    def content_words(self, text: str) -> list[str]:
+        return [w for w in _split(text) if w != "," and w not in self.function]
+
+
+def bertscore(q: np.ndarray, c: np.ndarray, c_weights: np.ndarray) -> float:
+    """F1 of greedy alignment: precision over the query's units, IDF-weighted recall over the instruction's."""
+    if len(q) == 0 or len(c) == 0:
+        return 0.0
+    sim = q @ c.T
+    p = float(sim.max(axis=1).mean())
+    r = float((sim.max(axis=0) * c_weights).sum() / c_weights.sum())
+    return 0.0 if p + r <= 0 else 2 * p * r / (p + r)
+
+
+class Scorer:
+    """A method's score of a query against each trained instruction (higher: closer)."""
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn = name, fn
+
+    def scores(self, text: str) -> list[float]:
+        return self.fn(text)
+
+
+def build_scorers(instructions: list[str], lm: MiniLM, resolvers: dict[str, InstructionResolver]) -> dict[str, Scorer]:
+    n = len(instructions)
+    P = np.stack([lm.pooled(s) for s in instructions])
+    toks = [lm.tokens(s) for s in instructions]
+    words = [lm.content_words(s) for s in instructions]
+    df_t: dict[str, int] = {}
+    for _, ws in toks:
+        for w in set(ws):
+            df_t[w] = df_t.get(w, 0) + 1
+    df_w: dict[str, int] = {}
+    for ws in words:
+        for w in set(ws):
+            df_w[w] = df_w.get(w, 0) + 1
+    tok_w = [np.array([math.log(1 + n / df_t[w]) for w in ws]) for _, ws in toks]
+    W = [lm.words(ws) for ws in words]
+    word_w = [np.array([math.log(1 + n / df_w[w]) for w in ws]) for ws in words]
+
+    def pooled(text):
+        return list(P @ lm.pooled(text)) if text.strip() else [0.0] * n
+
+    def tokens(text):
+        q, _ = lm.tokens(text) if text.strip() else (np.zeros((0, 384)), [])
+        return [bertscore(q, toks[i][0], tok_w[i]) for i in range(n)]
+
+    def static_words(text):
+        ws = lm.content_words(text)
+        q = lm.words(ws) if ws else np.zeros((0, 384))
+        return [bertscore(q, W[i], word_w[i]) for i in range(n)]
+
+    out = {"minilm_pooled": Scorer("minilm_pooled", pooled), "minilm_tokens": Scorer("minilm_tokens", tokens),
+           "minilm_words": Scorer("minilm_words", static_words)}
+    for name, r in resolvers.items():
+        out[name] = Scorer(name, lambda text, r=r: resolver_scores(r, text))
+    return out
+
+
+def resolver_scores(r: InstructionResolver, text: str) -> list[float]:
+    """(support - unexplained grounded words - 0.5 per role swap) / grounded words: 1 when every word
+    is the instruction's, comparable across queries."""
+    toks, matches, _, exempt = r.analyse(text)
+    n = max(1, len([k for k in matches if k not in exempt]))
+    return [s / n for s in r.score_all(text)]
+
+
+# ---- evaluation -----------------------------------------------------------------------------
+
+def one_word_pairs(instructions: list[str]) -> list[tuple[int, int]]:
+    toks = [s.split() for s in instructions]
+    return [(a, b) for a in range(len(toks)) for b in range(len(toks)) if a != b and len(toks[a]) == len(toks[b])
+            and sum(x != y for x, y in zip(toks[a], toks[b])) == 1]
+
+
+def margins(scorer: Scorer, instructions: list[str], wordings: list[tuple[str, str]]) -> dict:
+    pairs = one_word_pairs(instructions)
+    if not pairs:
+        return {"pairs": 0}
+    trained, worded = [], []
+    cache: dict[str, list[float]] = {}
+
+    def sc(t):
+        if t not in cache:
+            cache[t] = scorer.scores(t)
+        return cache[t]
+
+    for a, b in pairs:
+        s = sc(instructions[a])
+        trained.append(s[a] - s[b])
+        for text, target in wordings:
+            if target == instructions[a]:
+                s = sc(text)
+                worded.append(s[a] - s[b])
+    return {"pairs": len(pairs), "trained": float(np.mean(trained)), "trained_min": float(np.min(trained)),
+            "wordings_mean": float(np.mean(worded)), "wordings_min": float(np.min(worded)),
+            "wordings_swapped": float(np.mean(np.array(worded) <= 0)), "n_wordings": len(worded)}
+
+
+def top1(scorer: Scorer, instructions: list[str], wordings: list[tuple[str, str]]) -> float:
+    hits = 0
+    for text, target in wordings:
+        s = scorer.scores(text)
+        hits += instructions[int(np.argmax(s))] == target  # ties: the first instruction
+    return hits / max(1, len(wordings))
+
+
+@dataclass
+class Decider:
+    """Accept-or-refuse + top-1 for one refusal method on one suite."""
+    name: str
+    decide: object  # text -> (index or None, reason or None)
+
+
+def threshold_decider(name: str, scorer: Scorer, cal: dict, valid_refusal: float | None) -> tuple[Decider, float]:
+    """Refuse when the best score is under a threshold: the one refusing ``valid_refusal`` of the
+    generated valid wordings, or (None) the one refusing 95% of the generated negatives."""
+    if valid_refusal is not None:
+        thr = float(np.quantile([max(scorer.scores(t)) for t, _ in cal["positive"]], valid_refusal))
+    else:
+        thr = float(np.quantile([max(scorer.scores(t)) for t, _ in cal["negative"] if t.strip()], 0.95))
+
+    def decide(text):
+        if not text.strip():
+            return None, "empty"
+        s = scorer.scores(text)
+        i = int(np.argmax(s))
+        return (i, None) if s[i] >= thr else (None, f"no trained instruction is close (best {s[i]:.2f} < {thr:.2f})")
+    return Decider(name, decide), thr
+
+
+def resolver_decider(name: str, r: InstructionResolver) -> Decider:
+    def decide(text):
+        res = r.resolve(text)
+        return res.index, res.reason
+    return Decider(name, decide)
+
+
+def evaluate(d: Decider, suite: dict) -> dict:
+    ins = suite["instructions"]
+    out: dict = {"valid_missed": []}
+    for set_name in ("A", "B"):
+        ok = refused = 0
+        for text, target in suite[set_name]:
+            i, reason = d.decide(text)
+            refused += i is None
+            ok += i is not None and ins[i] == target
+            if i is None or ins[i] != target:
+                out["valid_missed"].append({"set": set_name, "text": text, "target": target,
+                                            "got": f"refused: {reason}" if i is None else f"wrong: {ins[i]!r}"})
+        n = len(suite[set_name])
+        out[set_name] = ok / max(1, n)
+        out[f"{set_name}_refused"] = refused / max(1, n)
+        out[f"n_{set_name}"] = n
+    kinds: dict[str, list[int]] = {}
+    examples: list[dict] = []
+    for text, kind in suite["C"]:
+        i, reason = d.decide(text)
+        kinds.setdefault(kind, []).append(int(i is None))
+        if i is not None:
+            examples.append({"text": text, "kind": kind, "accepted_as": ins[i]})
+    core = [v for k in CORE_KINDS for v in kinds.get(k, [])]
+    extra = [v for k in EXTRA_KINDS for v in kinds.get(k, [])]
+    out["C_refused"] = float(np.mean(core)) if core else None
+    out["C+_refused"] = float(np.mean(extra)) if extra else None
+    out["n_C"], out["n_C+"] = len(core), len(extra)
+    out["C_by_kind"] = {k: float(np.mean(v)) for k, v in kinds.items()}
+    out["C_accepted"] = examples
+    return out
+
+
+def main(args: Args) -> None:
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    suites = load_suites(args.suites)
+    lm = MiniLM()
+    enc = lm.words
+    all_instructions = {k: v["instructions"] for k, v in suites.items()}
+    # leakage checks: the calibration pools and generated wordings must not contain evaluation wordings
+    res: dict = {"machine": machine(), "args": {k: getattr(args, k) for k in Args.__dataclass_fields__},
+                 "suites": {}, "encoders": {}, "refusal": {}, "resolution": {}, "calibration": {}}
+    fitted: dict[str, dict[str, InstructionResolver]] = {}
+    cal_sets = {}
+    for name, s in suites.items():
+        others = [t for k, v in all_instructions.items() if k != name for t in v]
+        cal = calibration_set(s["instructions"], others=others, seed=args.seed, per_instruction=args.per_instruction)
+        cal_sets[name] = cal
+        evaluation = {" ".join(_split(t)) for t, _ in s["A"] + s["B"] + s["C"]}
+        generated = {" ".join(_split(t)) for t, _ in cal["positive"] + cal["negative"]}
+        overlap = sorted(t for t in evaluation & generated if t.strip(" ,"))
+        res["suites"][name] = {"instructions": s["instructions"], "source": s["source"], "n_A": len(s["A"]),
+                               "n_B": len(s["B"]), "n_C": len(s["C"]), "n_calibration_positive": len(cal["positive"]),
+                               "n_calibration_negative": len(cal["negative"]),
+                               "evaluation_wordings_also_generated": overlap,
+                               "one_word_pairs": [[s["instructions"][a], s["instructions"][b]]
+                                                  for a, b in one_word_pairs(s["instructions"])]}
+        t = time.perf_counter()
+        kw = dict(others=others, seed=args.seed, per_instruction=args.per_instruction)
+        variants = {  # name -> resolver; "slots+synonyms" is the design (InstructionResolver.fit's defaults)
+            "slots+synonyms": InstructionResolver.fit(s["instructions"], **kw),
+            "slots+synonyms+minilm": InstructionResolver.fit(s["instructions"], soft=True, encoder=enc, **kw),
+            "slots+minilm": InstructionResolver.fit(s["instructions"], synonyms=False, soft=True, encoder=enc, **kw),
+            "slots": InstructionResolver.fit(s["instructions"], synonyms=False, **kw),
+        }
+        fitted[name] = variants
+        res["calibration"][name] = {k: {"thresholds": v.thresholds, "stats": v.calibration}
+                                    for k, v in variants.items()}
+        print(f"[{name}] fitted in {time.perf_counter() - t:.1f} s: " +
+              ", ".join(f"{k} {v.thresholds}" for k, v in variants.items()), flush=True)
+    # encoders: retrieval top-1 and one-word margins
+    for name, s in suites.items():
+        scorers = build_scorers(s["instructions"], lm, fitted[name])
+        wordings = s["A"] + s["B"]
+        for sname, sc in scorers.items():
+            e = res["encoders"].setdefault(sname, {"retrieval_top1": {}, "one_word_margin": {}})
+            e["retrieval_top1"][name] = {"A": top1(sc, s["instructions"], s["A"]),
+                                         "B": top1(sc, s["instructions"], s["B"])}
+            e["one_word_margin"][name] = margins(sc, s["instructions"], wordings)
+        # refusal methods
+        deciders = []
+        for sname in ("minilm_pooled", "minilm_tokens", "minilm_words"):
+            d, thr = threshold_decider(f"{sname}_threshold", scorers[sname], cal_sets[name], args.valid_refusal)
+            d95, thr95 = threshold_decider(f"{sname}_threshold_neg95", scorers[sname], cal_sets[name], None)
+            res["calibration"][name][f"{sname}_threshold"] = {"threshold": thr, "threshold_neg95": thr95}
+            deciders += [d, d95]
+        for k in variants:
+            deciders.append(resolver_decider(k, fitted[name][k]))
+        for d in deciders:
+            ev = evaluate(d, s)
+            res["resolution"].setdefault(d.name, {})[name] = ev
+        print(f"[{name}] evaluated ({time.perf_counter() - t0:.0f} s)", flush=True)
+    # pooled over suites
+    for sname, e in res["encoders"].items():
+        for key in ("A", "B"):
+            num = sum(e["retrieval_top1"][n][key] * len(suites[n][key]) for n in suites)
+            e["retrieval_top1"].setdefault("all", {})[key] = num / sum(len(suites[n][key]) for n in suites)
+    for method, per in res["resolution"].items():
+        n_valid = sum(per[n]["n_A"] + per[n]["n_B"] for n in suites)
+        valid_ref = sum(per[n]["A_refused"] * per[n]["n_A"] + per[n]["B_refused"] * per[n]["n_B"] for n in suites)
+        n_out = sum(per[n]["n_C"] for n in suites)
+        out_ref = sum(per[n]["C_refused"] * per[n]["n_C"] for n in suites)
+        n_extra = sum(per[n]["n_C+"] for n in suites)
+        extra_ref = sum(per[n]["C+_refused"] * per[n]["n_C+"] for n in suites)
+        correct = sum(per[n]["A"] * per[n]["n_A"] + per[n]["B"] * per[n]["n_B"] for n in suites)
+        res["refusal"][method] = {"out_of_suite_refused": out_ref / n_out, "valid_refused": valid_ref / n_valid,
+                                  "n_out": n_out, "n_valid": n_valid, "valid_resolved_correctly": correct / n_valid,
+                                  "untrained_or_underspecified_refused": extra_ref / n_extra, "n_extra": n_extra,
+                                  "valid_refused_by_suite": {
+                                      n: (per[n]["A_refused"] * per[n]["n_A"] + per[n]["B_refused"] * per[n]["n_B"])
+                                      / (per[n]["n_A"] + per[n]["n_B"]) for n in suites},
+                                  "out_of_suite_refused_by_suite": {n: per[n]["C_refused"] for n in suites}}
+    # timing (1 thread, after warm-up): the design, and the MiniLM variant with a cold word cache
+    times = []
+    for name, s in suites.items():
+        r = InstructionResolver.from_json(fitted[name]["slots+synonyms"].to_json())
+        texts = [t for t, _ in s["A"] + s["B"] + s["C"]]
+        for t in texts:
+            r.resolve(t)
+        for _ in range(3):
+            for t in texts:
+                a = time.perf_counter()
+                r.resolve(t)
+                times.append((time.perf_counter() - a) * 1e3)
+    fresh = []
+    for name, s in suites.items():  # each call may encode its unknown words with MiniLM
+        r = InstructionResolver.from_json(fitted[name]["slots+synonyms+minilm"].to_json(),
+                                          encoder=minilm_word_encoder())
+        r.warm()
+        for t, _ in s["A"] + s["B"] + s["C"]:
+            a = time.perf_counter()
+            r.resolve(t)
+            fresh.append((time.perf_counter() - a) * 1e3)
+    res["timing"] = {"ms_per_call": {"median": float(np.median(times)), "p99": float(np.percentile(times, 99)),
+                                     "max": float(np.max(times)), "n": len(times)},
+                     "ms_per_call_minilm_cold_words": {"median": float(np.median(fresh)),
+                                                       "p99": float(np.percentile(fresh, 99)),
+                                                       "max": float(np.max(fresh)), "n": len(fresh)},
+                     "torch_threads": torch.get_num_threads()}
+    # examples of refusal reasons
+    res["reasons"] = {name: {t: fitted[name]["slots+synonyms"].resolve(t).reason for t, _ in s["C"]}
+                      for name, s in suites.items()}
+    res["synonym_table_words"] = sorted({w for g in SYNONYM_GROUPS for w in g})
+    res["wall_s"] = time.perf_counter() - t0
+    write(args.out, res, table(res, list(suites)))
+
+
+def table(res: dict, names: list[str]) -> str:
+    out = ["# Instruction resolution (benchmarks/language.py)\n",
+           "Suites: " + ", ".join(f"{n} ({len(res['suites'][n]['instructions'])} instructions)" for n in names) + ". "
+           "A: held-out paraphrases; B: hand-written valid wordings; C: hand-written out-of-suite wordings "
+           "(C+: untrained combinations and underspecified, apart). Thresholds chosen on generated wordings only.\n",
+           "## Retrieval (nearest trained instruction, no refusal) and one-word margin\n"]
+    rows = []
+    for sname, e in res["encoders"].items():
+        rt = e["retrieval_top1"]
+        mg = [e["one_word_margin"][n] for n in names if e["one_word_margin"][n].get("pairs")]
+        rows.append([sname, rt["all"]["A"], rt["all"]["B"], *[f"{rt[n]['A']:.2f} / {rt[n]['B']:.2f}" for n in names],
+                     f"{np.mean([m['trained'] for m in mg]):.3f} / {np.min([m['trained_min'] for m in mg]):.3f}",
+                     f"{np.mean([m['wordings_mean'] for m in mg]):.3f} / {np.min([m['wordings_min'] for m in mg]):.3f}",
+                     float(np.mean([m["wordings_swapped"] for m in mg]))])
+    out.append(md_table(["method", "top1 A", "top1 B", *[f"{n} A / B" for n in names], "margin trained mean / min",
+                         "margin wordings mean / min", "share swapped"], rows))
+    out.append("\n## Refusal and resolution (A+B valid, C out-of-suite)\n")
+    rows = []
+    for m, r in res["refusal"].items():
+        per = res["resolution"][m]
+        rows.append([m, r["valid_resolved_correctly"], r["valid_refused"], r["out_of_suite_refused"],
+                     r["untrained_or_underspecified_refused"],
+                     *[f"{per[n]['A']:.2f} / {per[n]['B']:.2f} / {per[n]['C_refused']:.2f}" for n in names]])
+    out.append(md_table(["method", "valid correct", "valid refused", "C refused", "C+ refused",
+                         *[f"{n} A / B / C ref" for n in names]], rows))
+    n_valid = next(iter(res["refusal"].values()))["n_valid"]
+    n_out = next(iter(res["refusal"].values()))["n_out"]
+    out.append(f"\nn_valid = {n_valid}, n_out = {n_out}. ")
+    t = res["timing"]
+    ms, cold = t["ms_per_call"], t["ms_per_call_minilm_cold_words"]
+    out.append(f"Resolver (slots+synonyms) ms per call, 1 thread, after warm-up: median {ms['median']:.3f}, "
+               f"p99 {ms['p99']:.3f}, max {ms['max']:.2f}; slots+synonyms+minilm with a cold word cache (MiniLM "
+               f"encodes each unknown word): median {cold['median']:.2f}, max {cold['max']:.1f}.\n")
+    out.append("\n## Out-of-suite wordings the resolver (slots+synonyms) accepted\n")
+    for n in names:
+        for ex in res["resolution"]["slots+synonyms"][n]["C_accepted"]:
+            out.append(f"- {n}: {ex['text']!r} ({ex['kind']}) -> {ex['accepted_as']!r}")
+    out.append("\n## Valid wordings it refused or resolved wrongly\n")
+    for n in names:
+        for ex in res["resolution"]["slots+synonyms"][n]["valid_missed"]:
+            out.append(f"- {n} {ex['set']}: {ex['text']!r} -> {ex['got']}")
+    out.append("")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
