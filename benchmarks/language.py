@@ -35,6 +35,19 @@ Sections of benchmarks/results/language.json:
   accuracy counting a refusal as a miss, with the valid wordings missed and the C wordings accepted.
 ``timing``: the resolver's ms per call on 1 thread after warm-up (median, p99, max) over A+B+C, and
   the MiniLM variant's with a cold word cache.
+
+``--part paraphrase`` (what the resolver buys a trained policy: P5 of train/protocols.py, every
+episode commanded with one of the suite's held-out paraphrases, with the resolver off and on, on the
+same seeds and paraphrase draws), merged into the same files as the ``paraphrase`` section::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/language.py --part paraphrase \
+        --ckpt runs/demo/cig_joint/ckpt --episodes 96     # the demo's BC+CIG policy (after make demo)
+
+``paraphrase``: {"clean", "off", "on", "on_allow_unknown"}: success rate with its 95% CI (clean: the
+  trained instructions; off: each paraphrase encoded as is by MiniLM, the behaviour before the
+  resolver; on: each resolved to its trained instruction, a refused one held still and counted a
+  failure; on_allow_unknown: a refused one encoded as is), the ratios paraphrase / clean, the
+  episodes refused and the wordings resolved or refused.
 """
 
 from __future__ import annotations
@@ -45,9 +58,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, md_table, write  # noqa: E402
+from common import ROOT, load_results, machine, md_table, write  # noqa: E402
 
 sys.path.insert(0, str(ROOT))  # `import policies` must find the package, not benchmarks/policies.py
 
@@ -72,6 +86,16 @@ class Args:
     valid_refusal: float = 0.02
     """threshold methods: the share of generated valid wordings they may refuse"""
     out: str = "language"
+    part: Literal["resolution", "paraphrase"] = "resolution"
+    """resolution: the wording sets above; paraphrase: P5 of a checkpoint with the resolver off and on"""
+    ckpt: str | None = None
+    """--part paraphrase: a trained multi-instruction checkpoint of a suite with held-out paraphrases"""
+    episodes: int = 48
+    """--part paraphrase: episodes per condition (clean, off, on), instructions in turn"""
+    p5_seed: int = 4000
+    """--part paraphrase: first env seed (train/protocols.py's P5 default)"""
+    perturbation_seed: int = 0
+    """--part paraphrase: seed of the paraphrase draw (the same for off and on)"""
 
 
 def load_suites(names: tuple[str, ...]) -> dict[str, dict]:
@@ -321,7 +345,44 @@ def evaluate(d: Decider, suite: dict) -> dict:
     return out
 
 
+def paraphrase_part(args: Args) -> None:
+    """P5 with the resolver off and on, on the same seeds and paraphrase draws (a fresh load each)."""
+    import policies
+    from train.protocols import paraphrase_eval
+    if not args.ckpt:
+        raise SystemExit("--part paraphrase needs --ckpt DIR")
+    torch.set_num_threads(1)
+    meta = policies.read_checkpoint_meta(args.ckpt)
+    env_id, trained = meta.get("extra", {}).get("env_id"), list(meta["instructions"])  # the suite's tasks it knows
+    runs = {}
+    for mode in ("off", "on", "on_allow_unknown"):
+        runs[mode] = paraphrase_eval(policies.load(args.ckpt, to_act=True), env_id, args.episodes, args.p5_seed,
+                                     instructions=trained, clean=(mode == "off"),
+                                     perturbation_seed=args.perturbation_seed, resolve=(mode != "off"),
+                                     allow_unknown=(mode == "on_allow_unknown"))
+        print(mode, runs[mode]["success_rate"], runs[mode].get("clean", {}).get("success_rate"), flush=True)
+    clean = runs["off"]["clean"]
+    out = {"ckpt": args.ckpt, "env_id": env_id, "episodes": args.episodes, "seed": args.p5_seed,
+           "perturbation_seed": args.perturbation_seed,
+           "command": (f"benchmarks/language.py --part paraphrase --ckpt {args.ckpt} --episodes {args.episodes} "
+                       f"--p5-seed {args.p5_seed} --perturbation-seed {args.perturbation_seed}"),
+           "clean": {k: clean[k] for k in ("success_rate", "ci95", "successes", "episodes")}}
+    for mode, r in runs.items():
+        out[mode] = {k: r[k] for k in ("success_rate", "ci95", "successes", "episodes", "did_other_task_rate",
+                                       "per_instruction", "seconds")}
+        out[mode]["ratio_to_clean"] = r["success_rate"] / clean["success_rate"] if clean["success_rate"] else None
+        for k in ("refused_episodes", "refused", "resolved"):
+            if k in r:
+                out[mode][k] = r[k]
+    out["paraphrases_in_vocabulary"] = runs["off"]["paraphrases_in_vocabulary"]
+    old = load_results(args.out)
+    old["paraphrase"] = out
+    write(args.out, old, table(old, list(old.get("suites", {}))))
+
+
 def main(args: Args) -> None:
+    if args.part == "paraphrase":
+        return paraphrase_part(args)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     suites = load_suites(args.suites)
@@ -433,10 +494,15 @@ def main(args: Args) -> None:
                       for name, s in suites.items()}
     res["synonym_table_words"] = sorted({w for g in SYNONYM_GROUPS for w in g})
     res["wall_s"] = time.perf_counter() - t0
+    old = load_results(args.out)  # keep the paraphrase section of an earlier --part paraphrase
+    if "paraphrase" in old:
+        res["paraphrase"] = old["paraphrase"]
     write(args.out, res, table(res, list(suites)))
 
 
 def table(res: dict, names: list[str]) -> str:
+    if "encoders" not in res:  # only --part paraphrase has run
+        return "# Instruction resolution (benchmarks/language.py)\n\n" + paraphrase_table(res["paraphrase"]) + "\n"
     out = ["# Instruction resolution (benchmarks/language.py)\n",
            "Suites: " + ", ".join(f"{n} ({len(res['suites'][n]['instructions'])} instructions)" for n in names) + ". "
            "A: held-out paraphrases; B: hand-written valid wordings; C: hand-written out-of-suite wordings "
@@ -478,7 +544,43 @@ def table(res: dict, names: list[str]) -> str:
         for ex in res["resolution"]["slots+synonyms"][n]["valid_missed"]:
             out.append(f"- {n} {ex['set']}: {ex['text']!r} -> {ex['got']}")
     out.append("")
+    if "paraphrase" in res:
+        out.append(paraphrase_table(res["paraphrase"]))
     return "\n".join(out) + "\n"
+
+
+def paraphrase_table(p: dict) -> str:
+    """The ``paraphrase`` section (``--part paraphrase``) as markdown."""
+    rows = []
+    for mode, label in (("clean", "clean (trained instructions)"), ("off", "paraphrases, resolver off (MiniLM as is)"),
+                        ("on", "paraphrases, resolver on (a refused one holds still: a failure)"),
+                        ("on_allow_unknown", "paraphrases, resolver on, --allow-unknown (a refused one as is)")):
+        if mode not in p:
+            continue
+        r = p[mode]
+        rows.append([label, f"{r['successes']}/{r['episodes']}", f"{r['success_rate']:.3f}",
+                     f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]",
+                     "" if mode == "clean" or r.get("ratio_to_clean") is None else f"{r['ratio_to_clean']:.2f}",
+                     r.get("refused_episodes", "")])
+    out = ["## What the resolver buys a policy: P5 (held-out paraphrases), resolver off vs on\n",
+           f"Checkpoint {p['ckpt']} ({p['env_id']}), {p['episodes']} episodes per row, env seeds "
+           f"{p['seed']}..{p['seed'] + p['episodes'] - 1}, paraphrase draw seed {p['perturbation_seed']} (the same "
+           f"wordings in both rows). Command: `OMP_NUM_THREADS=1 .venv/bin/python {p['command']}`.\n",
+           md_table(["condition", "successes", "success", "95% CI", "ratio to clean", "refused episodes"], rows)]
+    on = p["on"]
+    grounded = on["episodes"] - on.get("refused_episodes", 0)
+    if grounded:
+        out.append(f"\nThe resolver grounded the paraphrase of {grounded} of {on['episodes']} episodes; "
+                   f"{on['successes']} of them succeeded ({on['successes'] / grounded:.3f}; refused episodes hold "
+                   f"still and fail), against {p['clean']['success_rate']:.3f} clean on all {p['clean']['episodes']}.")
+    if on.get("refused"):
+        out.append("\nRefused by the resolver (held still, counted as failures):\n")
+        out += [f"- {t!r}: {why}" for t, why in on["refused"].items()]
+    if on.get("resolved"):
+        out.append("\nResolved (acted on as the trained instruction):\n")
+        out += [f"- {t!r} -> {i!r}" for t, i in on["resolved"].items()]
+    out.append("")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -1318,8 +1318,9 @@ def _rss_mb() -> float:
 
 
 def case_many_instructions(tmp: Path) -> Result:
-    """300 unique instructions: served policy's default (checkpoint instructions only) and
-    ``--paraphrases 16`` (MiniLM encodes them; at most 16 kept); nothing written to disk."""
+    """300 unique instructions: served policy's default (checkpoint instructions only: the resolver
+    refuses them) and ``--paraphrases 16 --allow-unknown`` (MiniLM encodes them; at most 16 kept);
+    nothing written to disk."""
     import policies
     from deploy.client import PolicyClient
     from deploy.errors import ServerError
@@ -1330,7 +1331,7 @@ def case_many_instructions(tmp: Path) -> Result:
     parts = []
     for paraphrases in (0, 16):
         policy = policies.load(ckpt)
-        with PolicyServer(policy, port=0, paraphrases=paraphrases) as srv, \
+        with PolicyServer(policy, port=0, paraphrases=paraphrases, allow_unknown=paraphrases > 0) as srv, \
                 PolicyClient(port=srv.port, timeout=120) as c:
             n0 = len(policy.lang.cache)
             codes: dict[str, int] = {}

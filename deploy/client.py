@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from deploy import protocol
-from deploy.errors import HandshakeError, PolicyUnavailableError, ProtocolError, ServerError
-from deploy.inference import infer_chunk, policy_metadata
+from deploy.errors import HandshakeError, InstructionRefusedError, PolicyUnavailableError, ProtocolError, ServerError
+from deploy.inference import infer_chunk, policy_metadata, resolve_obs_instruction
 from envs.errors import InvalidOptionError
 from policies.rtc import RTCConfig
 
@@ -232,6 +232,22 @@ class PolicyClient:
         """Tell the server a new episode starts (clears the policy's cached chunk)."""
         self._request({"type": "reset"})
 
+    def resolve_instruction(self, text: str) -> str | None:
+        """The trained instruction the server would condition its policy on for ``text`` (no
+        inference, no motion): what ``groundflow deploy`` checks before its first command. Raises
+        ``InstructionRefusedError`` when the server refuses it; None from a server that predates the
+        ``resolve`` message (it is then refused, if at all, at the first request)."""
+        try:
+            reply, _ = self._request({"type": "resolve", "instruction": text})
+        except InstructionRefusedError:
+            raise
+        except ServerError as e:
+            if e.code == "bad_request" and "'resolve'" in str(e):
+                return None
+            raise
+        got = reply.get("instruction")
+        return got if isinstance(got, str) else None
+
     def _request(self, msg: dict[str, Any]) -> tuple[dict[str, Any], float]:
         from websockets.exceptions import ConnectionClosed
         with self._lock:
@@ -263,7 +279,10 @@ class PolicyClient:
                 raise PolicyUnavailableError(f"policy server {self.uri} closed the connection: {_close_reason(e)}") from e
             rtt = time.perf_counter() - t0
         if reply.get("type") == "error":
-            raise ServerError(f"policy server error ({reply.get('code')}): {reply.get('message')}")
+            code, reason = reply.get("code"), reply.get("reason")
+            cls = InstructionRefusedError if code == "unknown_instruction" else ServerError
+            raise cls(f"policy server error ({code}): {reply.get('message')}", code,
+                      reason if isinstance(reason, str) else None)
         return reply, rtt
 
 
@@ -312,8 +331,10 @@ class LocalPolicy:
     """A policy in this process behind the ``PolicyClient`` interface (no network): for
     simulation runs and to measure what the transport costs."""
 
-    def __init__(self, policy: Any, rtc: RTCConfig | None = None):
+    def __init__(self, policy: Any, rtc: RTCConfig | None = None, allow_unknown: bool = False):
         self.policy = policy
+        self.allow_unknown = allow_unknown
+        """run an instruction the checkpoint cannot ground as is (``infer_chunk``)"""
         self.metadata = policy_metadata(policy, protocol.MAX_MESSAGE_BYTES)
         self.bounds = _announced_bounds(self.metadata)
         self.rtc_config = rtc or RTCConfig()
@@ -322,10 +343,14 @@ class LocalPolicy:
     def infer(self, obs: dict[str, Any], *, prefix: np.ndarray | None = None, frozen: int = 0,
               seed: int | None = None) -> ChunkReply:
         t0 = time.perf_counter()
-        actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config)
+        actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config, self.allow_unknown)
         ms = (time.perf_counter() - t0) * 1e3
         return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"], self.bounds),
                           {"infer_ms": ms, "rtt_ms": ms, "overhead_ms": 0.0})
+
+    def resolve_instruction(self, text: str) -> str | None:
+        """As ``PolicyClient.resolve_instruction``, in process (``UnknownInstructionError`` on refusal)."""
+        return resolve_obs_instruction(self.policy, {"instruction": text}, self.allow_unknown)["instruction"]
 
     def reset(self) -> None:
         if hasattr(self.policy, "reset"):

@@ -4,9 +4,15 @@
     groundflow deploy --robot sim --env maniskill/PushCube-v1 --server 127.0.0.1:8000 --rate 20
     groundflow deploy --robot franka --robot-host 172.16.0.2 --server 10.0.0.5:8000 --record runs/rec.h5
     groundflow deploy --robot sim --lockstep --episodes 20     (evaluation through the server)
+    groundflow deploy --robot sim --env maniskill/TabletopSuite-v1 --instruction "nudge the red block left"
     groundflow deploy --robot ur --robot-host 10.0.0.2 --camera wrist=0@128x128@30 --camera front=realsense
 
 ``serve(argv)`` and ``deploy(argv)`` parse with tyro; the command table in groundflow/cli.py names them.
+
+The served checkpoint resolves a user's wording to one of its trained instructions or refuses it
+(``policies.instructions``). ``deploy --instruction`` asks the server first: a refused instruction
+sends no motion (the robot holds still), prints one line with the reason and exits with status
+``EXIT_INSTRUCTION_REFUSED`` (3; 1 is any other error, 2 a bad flag, 130 an interrupt).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,7 +30,8 @@ import policies
 from deploy.cameras import CameraRig, parse_cameras
 from deploy.client import parse_address, robot_client
 from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
-from deploy.errors import DeployError, HandshakeError, PolicyUnavailableError
+from deploy.errors import (EXIT_INSTRUCTION_REFUSED, DeployError, HandshakeError, InstructionRefusedError,
+                           PolicyUnavailableError)
 from deploy.franka import FrankaRobot
 from deploy.franka_sim import FrankySim
 from deploy.recording import Recorder
@@ -67,7 +75,11 @@ class ServeArgs:
     """connections kept that have not finished their handshake; beyond it the oldest is closed"""
     paraphrases: int = 0
     """0: serve only the checkpoint's instructions; N > 0: also encode others (the language model loads at
-    start-up, in a child process), keeping the N most recent"""
+    start-up, in a child process), keeping the N most recent (only with --allow-unknown: else a wording the
+    checkpoint cannot ground is refused)"""
+    allow_unknown: bool = False
+    """serve a wording the checkpoint's instruction resolver refuses as is (encoded where --paraphrases
+    allows) instead of the unknown_instruction error; a wording it resolves is served as its trained instruction"""
     seed: int = 0
 
     def check(self) -> None:
@@ -115,7 +127,8 @@ class DeployArgs:
     max_steps: int = 200
     """control steps per episode"""
     instruction: str | None = None
-    """language instruction sent with every observation (default: the robot's / env's)"""
+    """language instruction sent with every observation (default: the robot's / env's); the server resolves
+    it to a trained instruction or refuses it, and then no motion is sent (exit 3)"""
     rtc: bool = False
     """real-time chunking (prefix inpainting on the server)"""
     ensemble: float | None = None
@@ -185,7 +198,8 @@ def serve(argv: list[str]) -> None:
     server = PolicyServer(policy, args.host, args.port, max_message_bytes=int(args.max_message_mb * 2 ** 20),
                           rtc=RTCConfig(sigma=args.rtc_sigma), idle_timeout_s=args.idle_timeout or None,
                           max_connections=args.max_connections, paraphrases=args.paraphrases,
-                          hello_timeout_s=args.handshake_timeout, max_pending=args.max_pending)
+                          hello_timeout_s=args.handshake_timeout, max_pending=args.max_pending,
+                          allow_unknown=args.allow_unknown)
     server.bind()  # a port in use is one line (ServerAddressError); --paraphrases loads the language model here
     _stop_on_sigterm()
     print(json.dumps({k: v for k, v in server.metadata.items() if k != "type"}), flush=True)
@@ -268,6 +282,26 @@ def check_policy_fits_env(meta: dict, robot, args: DeployArgs) -> None:
                          f"(--force runs it anyway)")
 
 
+def _check_instruction(client, args: DeployArgs) -> str | None:
+    """Ask the server what ``--instruction`` resolves to before the first motion command: the trained
+    instruction it means (None: no --instruction, or a server that cannot say). A refusal closes the
+    client, prints one line with the server's reason and exits with ``EXIT_INSTRUCTION_REFUSED``; the
+    robot was sent nothing."""
+    if not args.instruction:
+        return None
+    try:
+        resolved = client.resolve_instruction(args.instruction)
+    except InstructionRefusedError as e:
+        client.close()
+        print(f"groundflow deploy: instruction refused, no motion sent: {args.instruction[:80]!r}: "
+              f"{e.reason or e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_INSTRUCTION_REFUSED) from None
+    if resolved is not None and resolved != args.instruction:
+        print(f"instruction {args.instruction[:80]!r} -> trained instruction {resolved!r}", file=sys.stderr,
+              flush=True)
+    return resolved
+
+
 def deploy(argv: list[str]) -> None:
     args = tyro.cli(DeployArgs, args=argv, prog="groundflow deploy")
     args.check()
@@ -288,6 +322,7 @@ def deploy(argv: list[str]) -> None:
             except HandshakeError:
                 client.close()
                 raise
+        resolved = _check_instruction(client, args)  # before anything moves
         ws = args.workspace
         fk = getattr(robot, "forward_kinematics", None) if ws else None
         if ws and fk is None:
@@ -305,7 +340,7 @@ def deploy(argv: list[str]) -> None:
         loop = ControlLoop(robot, client, cfg, safety, recorder)
         # a simulated suite must be given the task too, or success is judged on its default task
         suite_env = getattr(getattr(robot, "env", None), "suite", None) is not None
-        commanded = {"instruction": args.instruction} if args.instruction and suite_env else None
+        commanded = {"instruction": resolved or args.instruction} if args.instruction and suite_env else None
         results, lost = [], None
         with safety.signal_stop():
             if not args.lockstep:

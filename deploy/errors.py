@@ -30,7 +30,22 @@ class HandshakeError(DeployError, ValueError):
 
 
 class ServerError(DeployError, RuntimeError):
-    """The policy server answered a request with an error (the message is the server's)."""
+    """The policy server answered a request with an error (the message is the server's; ``code`` its
+    error code, e.g. ``unknown_instruction``)."""
+
+    def __init__(self, message: str, code: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.code, self.reason = code, reason
+
+
+class InstructionRefusedError(ServerError):
+    """The policy server refused the instruction (``unknown_instruction``): its checkpoint cannot
+    ground it. ``groundflow deploy`` sends no motion and exits with ``EXIT_INSTRUCTION_REFUSED``."""
+
+
+EXIT_INSTRUCTION_REFUSED = 3
+"""``groundflow deploy``'s exit status when the server refuses ``--instruction`` before any motion
+(1: any other error in one line, 2: a bad flag, 130: interrupted)"""
 
 
 class PolicyUnavailableError(DeployError, ConnectionError):

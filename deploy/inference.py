@@ -61,10 +61,25 @@ def seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
 
 
+def resolve_obs_instruction(policy: Any, obs: dict[str, Any], allow_unknown: bool = False) -> dict[str, Any]:
+    """``obs`` with its instruction resolved for ``policy`` (``policies.model.resolve_instruction``:
+    a trained instruction untouched, a wording the resolver maps replaced by its trained
+    instruction, an ungroundable one ``UnknownInstructionError`` unless ``allow_unknown``). Policies
+    without a vocabulary (scripted) get ``obs`` unchanged."""
+    text = obs.get("instruction")
+    if not isinstance(text, str) or getattr(policy, "lang", None) is None:
+        return obs
+    from policies.model import resolve_instruction
+    resolved = resolve_instruction(policy, text, allow_unknown)
+    return obs if resolved == text else {**obs, "instruction": resolved}
+
+
 def infer_chunk(policy: Any, obs: dict[str, Any], prefix: np.ndarray | None = None, frozen: int = 0,
-                seed: int | None = None, rtc: RTCConfig | None = None) -> np.ndarray:
+                seed: int | None = None, rtc: RTCConfig | None = None, allow_unknown: bool = False) -> np.ndarray:
     """One (H, A) float32 chunk in env units; ``prefix``/``frozen`` ask for real-time chunking,
-    ``seed`` makes the sample reproducible."""
+    ``seed`` makes the sample reproducible. The instruction is resolved first
+    (``resolve_obs_instruction``): served and local policies ground a user's wording alike."""
+    obs = resolve_obs_instruction(policy, obs, allow_unknown)
     if seed is not None:
         seed_everything(seed)
     kwargs: dict[str, Any] = {}

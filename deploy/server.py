@@ -10,8 +10,12 @@ way. Inference is serialized by a lock (one policy, one device).
 
 Clients cannot grow the server or stall each other: at most ``max_connections`` at a time (the
 next one gets a ``busy`` error), a connection idle for ``idle_timeout_s`` is closed, instructions
-are capped in length, a policy with a vocabulary serves only its checkpoint's instructions unless
-``paraphrases`` > 0 (then at most that many others are kept, never written to disk), and new
+are capped in length, a policy with a vocabulary serves only its checkpoint's instructions: a
+user's wording is resolved to the trained instruction it means (``policies.instructions``; the
+policy sees that instruction's features) or refused with an ``unknown_instruction`` error carrying
+the resolver's ``reason``; only with ``allow_unknown`` (``--allow-unknown``) is a refused wording
+served as is, where ``paraphrases`` > 0 (then at most that many others are kept, never written to
+disk). A ``resolve`` message asks what an instruction resolves to, with no inference. New
 instructions are encoded outside the inference lock, in a child process that loads the language
 model at start-up (``policies.language.EncoderProcess``), and stay cached until their request's
 inference. A connection that has not finished its handshake (the websocket upgrade and the hello)
@@ -46,7 +50,9 @@ from deploy import protocol
 from deploy.errors import ProtocolError, ServerAddressError
 from deploy.inference import action_bounds, infer_chunk, policy_metadata
 from envs.errors import InvalidOptionError
-from policies.model import NULL_INSTRUCTION
+from deploy.inference import resolve_obs_instruction
+from policies.instructions import UnknownInstructionError
+from policies.model import NULL_INSTRUCTION, instruction_resolver
 from policies.rtc import RTCConfig
 
 log = logging.getLogger("groundflow.deploy.server")
@@ -126,7 +132,7 @@ class PolicyServer:
                  max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, rtc: RTCConfig | None = None,
                  hello_timeout_s: float = 5.0, idle_timeout_s: float | None = 60.0, max_connections: int = 16,
                  max_pending: int = 32, paraphrases: int = 0, action_margin: float = protocol.ACTION_MARGIN,
-                 image_encodings: tuple[str, ...] = protocol.IMAGE_ENCODINGS):
+                 image_encodings: tuple[str, ...] = protocol.IMAGE_ENCODINGS, allow_unknown: bool = False):
         image_encodings = tuple(image_encodings)
         if "raw" not in image_encodings or not set(image_encodings) <= set(protocol.IMAGE_ENCODINGS):
             raise InvalidOptionError(f"image_encodings must include 'raw' and be among "
@@ -155,7 +161,11 @@ class PolicyServer:
         self.max_pending = int(max_pending)
         """connections not through their handshake kept at once (the oldest is closed for a new one)"""
         self.paraphrases = int(paraphrases)
+        self.allow_unknown = bool(allow_unknown)
+        """an instruction the checkpoint's resolver refuses is served as is (then ``paraphrases`` decides)"""
         self.lang = getattr(policy, "lang", None)
+        if self.lang is not None:
+            instruction_resolver(policy)  # built (or fitted, ~1 s) now, not in a client's first request
         if self.lang is not None and hasattr(self.lang, "serve"):
             self.lang.serve(self.paraphrases)  # pin the checkpoint's instructions; bounded, no disk writes
         self._lock = threading.Lock()
@@ -379,8 +389,10 @@ class PolicyServer:
                     if hasattr(self.policy, "reset"):
                         self.policy.reset()
                 return {"type": "reset_ok", "id": req_id}
+            if kind == "resolve":
+                return self._resolve_only(msg.get("instruction"), req_id)
             if kind != "infer":
-                raise ProtocolError(f"unknown message type {kind!r}; valid: 'infer', 'reset'")
+                raise ProtocolError(f"unknown message type {kind!r}; valid: 'infer', 'reset', 'resolve'")
             # encoded images are decoded here, each at most as many pixels as a raw one within the limit
             obs = protocol.check_observation(msg.get("obs"), self.metadata["state_dim"],
                                              tuple(self.metadata["cameras"]), image_encodings=self.image_encodings,
@@ -403,6 +415,11 @@ class PolicyServer:
         except ProtocolError as e:
             self.stats["errors"] += 1
             return {"type": "error", "id": req_id, "code": "bad_request", "message": str(e)}
+        try:  # a user's wording -> the trained instruction it means, outside the inference lock
+            obs = resolve_obs_instruction(self.policy, obs, self.allow_unknown)
+        except UnknownInstructionError as e:
+            self.stats["errors"] += 1
+            return _refused(req_id, e)
         hold = getattr(self.lang, "hold", None)
         with hold(obs["instruction"]) if hold is not None else contextlib.nullcontext():
             return self._infer(obs, prefix, frozen, seed, req_id, t0)
@@ -424,7 +441,7 @@ class PolicyServer:
         try:
             with self._lock:
                 t2 = time.perf_counter()
-                actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config)
+                actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config, self.allow_unknown)
                 t3 = time.perf_counter()
             actions = np.asarray(actions, dtype=np.float32)
             if actions.ndim != 2 or actions.shape[1] != self.metadata["action_dim"]:
@@ -443,18 +460,51 @@ class PolicyServer:
                 "timing": {"decode_ms": (t1 - t0) * 1e3, "queue_ms": (t2 - t1) * 1e3,
                            "infer_ms": (t3 - t2) * 1e3, "server_ms": (time.perf_counter() - t0) * 1e3}}
 
-    def _prepare_instruction(self, text: str) -> str | None:
-        """Encode a new instruction outside the inference lock (paraphrase mode), or say why it is
-        refused: by default only the checkpoint's instructions are served (clients pick strings)."""
+    def _resolve_only(self, text: Any, req_id: Any) -> dict[str, Any]:
+        """Reply to ``resolve``: the instruction an ``infer`` with ``text`` would condition the policy
+        on, or the ``unknown_instruction`` error it would get; no inference, no encoding (what
+        ``groundflow deploy`` asks before its first motion)."""
+        if not isinstance(text, str) or not text.strip() or len(text) > protocol.MAX_INSTRUCTION_CHARS:
+            self.stats["errors"] += 1
+            return {"type": "error", "id": req_id, "code": "bad_request", "message":
+                    f"'resolve' needs an 'instruction' string of 1 to {protocol.MAX_INSTRUCTION_CHARS} characters"}
+        try:
+            resolved = resolve_obs_instruction(self.policy, {"instruction": text}, self.allow_unknown)["instruction"]
+        except UnknownInstructionError as e:
+            self.stats["errors"] += 1
+            return _refused(req_id, e)
+        unknown = self._unknown(resolved)
+        if unknown is not None:
+            self.stats["errors"] += 1
+            return {"type": "error", "id": req_id, "code": "unknown_instruction", "message": unknown,
+                    "reason": unknown}
+        return {"type": "instruction", "id": req_id, "instruction": resolved, "resolved": resolved != text}
+
+    def _unknown(self, text: str) -> str | None:
+        """Why ``text`` would not be served as is (None: it would): by default only the checkpoint's
+        instructions are (clients pick strings); with --paraphrases N others are encoded."""
         lang = self.lang
-        if lang is None or not hasattr(lang, "knows") or lang.knows(text):
+        if lang is None or not hasattr(lang, "knows") or lang.knows(text) or text == NULL_INSTRUCTION:
             return None
-        if text == NULL_INSTRUCTION:
-            return None  # the model's learned "no instruction" condition
         if self.paraphrases <= 0:
             known = sorted(lang.pinned)
             listed = ", ".join(repr(k) for k in known[:8]) + (f" and {len(known) - 8} more" if len(known) > 8 else "")
             return (f"the served policy was not trained on the instruction {text[:80]!r}; it knows "
                     f"{listed or 'no instructions'} (serve with --paraphrases N to encode others)")
-        lang.warm([text])
         return None
+
+    def _prepare_instruction(self, text: str) -> str | None:
+        """Encode a new instruction outside the inference lock (paraphrase mode), or say why it is
+        refused (``_unknown``)."""
+        unknown = self._unknown(text)
+        if unknown is None and self.lang is not None and hasattr(self.lang, "knows") and not self.lang.knows(text) \
+                and text != NULL_INSTRUCTION:
+            self.lang.warm([text])
+        return unknown
+
+
+def _refused(req_id: Any, e: UnknownInstructionError) -> dict[str, Any]:
+    """The typed reply to an instruction the checkpoint cannot ground: ``reason`` is the resolver's
+    one line, ``trained`` the instructions it can ground."""
+    return {"type": "error", "id": req_id, "code": "unknown_instruction", "message": str(e), "reason": e.reason,
+            "trained": list(e.trained)}

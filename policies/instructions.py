@@ -53,6 +53,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from envs.errors import InstructionError
+
 RESOLVER_VERSION = 1
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +362,15 @@ class Lexicon:
 def parse(text: str, lex: Lexicon) -> list[Token]:
     """Tokens of ``text`` with their clause, role, position (verb / phrase head / modifier) and
     noun-phrase index. Generic English rules only."""
+    toks = _tokens(text, lex)
+    _particles_and_phrasals(toks, lex)
+    _roles(toks, lex)
+    _heads(toks, lex)
+    return toks
+
+
+def _tokens(text: str, lex: Lexicon) -> list[Token]:
+    """Words (idioms replaced) with their function kind, content words normalised."""
     words = _split(text)
     # idioms
     out: list[tuple[str, bool]] = []
@@ -393,6 +404,12 @@ def parse(text: str, lex: Lexicon) -> list[Token]:
             toks.append(Token(n, w, kind, implied=implied))
         else:
             toks.append(Token(w, w, kind, implied=implied))
+    return toks
+
+
+def _particles_and_phrasals(toks: list[Token], lex: Lexicon) -> None:
+    """Prepositions that open no phrase become particles, "to" before a verb a clause boundary, and a
+    verb with its particle one token ("turn ... on" -> turn_on)."""
     # a preposition not followed by a phrase is a particle ("push it over to ...", "turn the stove on")
     for j, t in enumerate(toks):
         if t.kind == "prep" and t.word in PARTICLES:
@@ -424,7 +441,10 @@ def parse(text: str, lex: Lexicon) -> list[Token]:
                 if u.kind == "prep" and k > j + 1:
                     break
         j += 1
-    # clauses, roles, phrases, verbs
+
+
+def _roles(toks: list[Token], lex: Lexicon) -> None:
+    """Clauses, roles (theme / destination / source), noun phrases and verbs, left to right."""
     clause, role, phrase, n_phr = 0, "theme", -1, 0
     started = False  # has the clause had a non-filler token
     relative = False
@@ -484,7 +504,10 @@ def parse(text: str, lex: Lexicon) -> list[Token]:
             phrase, n_phr = n_phr, n_phr + 1
         t.phrase, t.pos = phrase, "mod"
         last_role = role
-    # heads: the last noun-like word of each phrase
+
+
+def _heads(toks: list[Token], lex: Lexicon) -> None:
+    """Each noun phrase's head: its last noun-like word."""
     by_phrase: dict[int, list[Token]] = {}
     for t in toks:
         if t.phrase >= 0:
@@ -493,7 +516,6 @@ def parse(text: str, lex: Lexicon) -> list[Token]:
         nouns = [t for t in ph if lex.word_class(t.word) not in ("colour", "spatial") and not t.implied]
         if nouns:
             nouns[-1].pos = "head"
-    return toks
 
 
 def _prev_phrase_prep(toks: list[Token], t: Token) -> bool:
@@ -531,6 +553,21 @@ class Resolution:
     @property
     def ok(self) -> bool:
         return self.instruction is not None
+
+
+class UnknownInstructionError(InstructionError):
+    """An instruction the checkpoint cannot ground (``Resolution.reason``): refused before any motion.
+    ``reason`` is the resolver's one line, ``trained`` the checkpoint's instructions."""
+
+    def __init__(self, text: str, reason: str, trained: Sequence[str]):
+        self.text, self.reason, self.trained = text, reason, list(trained)
+        shown = ", ".join(repr(t) for t in self.trained[:6]) + (f" and {len(self.trained) - 6} more"
+                                                                 if len(self.trained) > 6 else "")
+        super().__init__(f"the policy was not trained on the instruction {str(text)[:80]!r} and cannot ground it: "
+                         f"{reason}; it was trained on {shown} (--allow-unknown runs it anyway)")
+
+    def __reduce__(self):  # picklable (parallel evaluation workers) despite its own arguments
+        return type(self), (self.text, self.reason, self.trained)
 
 
 @dataclass
@@ -987,6 +1024,48 @@ def _synonym(w: str, rng: np.random.Generator) -> str:
     return members[int(rng.integers(len(members)))] if members else w
 
 
+def _rewrite(words: list[str], rng: np.random.Generator) -> str:
+    """One generic rewrite of a trained instruction's words (one to three of: synonyms, polite, terse,
+    fronted destination, relative clause, typo, "-hand", elliptical "one")."""
+    w = list(words)
+    ops = sorted(rng.permutation(8)[: int(rng.integers(1, 4))], key=lambda o: (o == 1, int(rng.integers(8))))
+    has_dest = any(x in ("to", "on", "in", "onto", "into") for x in words[1:])
+    for op in ops:  # the polite forms last, so that no rewrite touches them
+        if op == 0:  # synonyms
+            w = [_synonym(x, rng) if rng.random() < 0.6 else x for x in w]
+        elif op == 1:  # polite
+            if rng.random() < 0.6:
+                w = _POLITE_PRE[int(rng.integers(len(_POLITE_PRE)))].split() + w
+            else:
+                w = w + _POLITE_POST[int(rng.integers(len(_POLITE_POST)))].split()
+        elif op == 2:  # terse: no determiners (and no verb when there is one clause)
+            w = [x for x in w if x not in DETERMINERS]
+            if "and" not in w and len(w) > 3 and has_dest and rng.random() < 0.5:
+                w = w[1:] if w[1] not in PARTICLES else w[2:]
+        elif op == 3:  # fronted destination: "to the left goal, push the red cube"
+            k = next((j for j in range(len(w) - 1, 0, -1) if w[j] in ("to", "on", "in", "onto", "into")), None)
+            if k is not None and k > 1 and "and" not in w:
+                w = w[k:] + [","] + w[:k]
+        elif op == 4:  # relative clause: "the cube that is red"
+            for j in range(len(w) - 2):
+                if w[j] == "the" and w[j + 1] in COLOURS:
+                    w = w[:j + 1] + [w[j + 2], "that", "is", w[j + 1]] + w[j + 3:]
+                    break
+        elif op == 5:  # typo in one long word
+            idx = [j for j, x in enumerate(w) if len(x) >= 5 and x.isalpha()]
+            if idx:
+                j = idx[int(rng.integers(len(idx)))]
+                w[j] = _typo(w[j], rng)
+        elif op == 6:  # "-hand" / "side"
+            w = sum(([x, "hand"] if x in ("left", "right") and rng.random() < 0.5 else [x] for x in w), [])
+        elif op == 7:  # elliptical second noun: "on the blue one"
+            heads = [j for j in range(len(w)) if j > 0 and w[j - 1] in COLOURS]
+            if len(heads) >= 2:
+                w[heads[-1]] = "one"
+    return " ".join(w).replace(" ,", ",")
+
+
+
 def calibration_set(instructions: Sequence[str], *, others: Sequence[str] = (), seed: int = 0,
                     per_instruction: int = 24) -> dict[str, list[tuple[str, Any]]]:
     """Generated wordings: ``positive`` [(text, index of the trained instruction it means)] made by
@@ -996,62 +1075,31 @@ def calibration_set(instructions: Sequence[str], *, others: Sequence[str] = (), 
     attributes of two instructions mixed, the distinguishing word dropped, ``others`` (other suites'
     instructions), generic off-task requests and gibberish."""
     rng = np.random.default_rng(seed)
-    lex = Lexicon({}, synonyms=False)
     pos: list[tuple[str, Any]] = []
-    neg: list[tuple[str, Any]] = []
     parsed = [_split(s) for s in instructions]
-    colours = {w for p in parsed for w in p if w in COLOURS}
-    spatial = {w for p in parsed for w in p if w in SPATIAL}
     trained_set = {" ".join(p) for p in parsed}
-
-    def rewrite(words: list[str]) -> str:
-        w = list(words)
-        ops = sorted(rng.permutation(8)[: int(rng.integers(1, 4))], key=lambda o: (o == 1, int(rng.integers(8))))
-        has_dest = any(x in ("to", "on", "in", "onto", "into") for x in words[1:])
-        for op in ops:  # the polite forms last, so that no rewrite touches them
-            if op == 0:  # synonyms
-                w = [_synonym(x, rng) if rng.random() < 0.6 else x for x in w]
-            elif op == 1:  # polite
-                if rng.random() < 0.6:
-                    w = _POLITE_PRE[int(rng.integers(len(_POLITE_PRE)))].split() + w
-                else:
-                    w = w + _POLITE_POST[int(rng.integers(len(_POLITE_POST)))].split()
-            elif op == 2:  # terse: no determiners (and no verb when there is one clause)
-                w = [x for x in w if x not in DETERMINERS]
-                if "and" not in w and len(w) > 3 and has_dest and rng.random() < 0.5:
-                    w = w[1:] if w[1] not in PARTICLES else w[2:]
-            elif op == 3:  # fronted destination: "to the left goal, push the red cube"
-                k = next((j for j in range(len(w) - 1, 0, -1) if w[j] in ("to", "on", "in", "onto", "into")), None)
-                if k is not None and k > 1 and "and" not in w:
-                    w = w[k:] + [","] + w[:k]
-            elif op == 4:  # relative clause: "the cube that is red"
-                for j in range(len(w) - 2):
-                    if w[j] == "the" and w[j + 1] in COLOURS:
-                        w = w[:j + 1] + [w[j + 2], "that", "is", w[j + 1]] + w[j + 3:]
-                        break
-            elif op == 5:  # typo in one long word
-                idx = [j for j, x in enumerate(w) if len(x) >= 5 and x.isalpha()]
-                if idx:
-                    j = idx[int(rng.integers(len(idx)))]
-                    w[j] = _typo(w[j], rng)
-            elif op == 6:  # "-hand" / "side"
-                w = sum(([x, "hand"] if x in ("left", "right") and rng.random() < 0.5 else [x] for x in w), [])
-            elif op == 7:  # elliptical second noun: "on the blue one"
-                heads = [j for j in range(len(w)) if j > 0 and w[j - 1] in COLOURS]
-                if len(heads) >= 2:
-                    w[heads[-1]] = "one"
-        return " ".join(w).replace(" ,", ",")
 
     for i, p in enumerate(parsed):
         seen = set()
         for _ in range(per_instruction * 3):
             if len(seen) >= per_instruction:
                 break
-            t = rewrite(p)
+            t = _rewrite(p, rng)
             if t not in seen and " ".join(_split(t)) not in trained_set - {" ".join(p)}:
                 seen.add(t)
                 pos.append((t, i))
-    # negatives
+    neg = _generated_negatives(parsed, others, rng)
+    return {"positive": pos, "negative": sorted(set(neg), key=lambda x: (x[1], x[0]))}
+
+
+def _generated_negatives(parsed: list[list[str]], others: Sequence[str],
+                         rng: np.random.Generator) -> list[tuple[str, Any]]:
+    """calibration_set's negatives [(text, kind)] for the trained instructions' words ``parsed``."""
+    lex = Lexicon({}, synonyms=False)
+    neg: list[tuple[str, Any]] = []
+    colours = {w for p in parsed for w in p if w in COLOURS}
+    spatial = {w for p in parsed for w in p if w in SPATIAL}
+    trained_set = {" ".join(p) for p in parsed}
     def kin(words: set[str]) -> set[str]:  # the words and their synonyms
         return words | {m for g in SYNONYM_GROUPS if g & words for m in g}
 
@@ -1088,7 +1136,7 @@ def calibration_set(instructions: Sequence[str], *, others: Sequence[str] = (), 
             q[sp[0]] = unknown_sp[int(rng.integers(len(unknown_sp)))]
             neg.append((" ".join(q), "unknown_place"))
     # mixed attributes: a word of one instruction put into another where no trained instruction has it
-    for _ in range(len(parsed) * 2):
+    for _ in range(len(parsed) * 2 if len(parsed) > 1 else 0):  # one instruction: nothing to mix
         a, b = rng.choice(len(parsed), 2, replace=False)
         pa, pb = parsed[a], parsed[b]
         if len(pa) != len(pb):
@@ -1125,4 +1173,4 @@ def calibration_set(instructions: Sequence[str], *, others: Sequence[str] = (), 
         neg.append((" ".join("".join(letters[int(c)] for c in rng.integers(0, 26, int(rng.integers(2, 9))))
                              for _ in range(n)), "gibberish"))
     neg += [("", "empty"), ("   ", "empty"), ("?!", "empty")]
-    return {"positive": pos, "negative": sorted(set(neg), key=lambda x: (x[1], x[0]))}
+    return neg

@@ -49,6 +49,83 @@ def check_vocabulary(policy: Any, instructions: list[str], suite: Any = None, wh
                                   f"{missing}; it knows {sorted(known)}")
 
 
+RESOLVER_KEY = "instruction_resolver"
+"""``extra`` entry of a checkpoint holding its ``InstructionResolver`` calibration (``to_json``)"""
+
+
+def trained_instructions(policy: Any) -> list[str]:
+    """The instructions ``policy`` was trained on: config.json's list for a loaded checkpoint, else
+    (a policy built in this process) its instruction cache when first asked, kept from then on, so
+    that wordings encoded later on demand (a paraphrase evaluation, a server's --paraphrases) never
+    count as trained. Empty for a policy without a vocabulary (scripted, no language)."""
+    got = getattr(policy, "trained_instructions", None)
+    if got is None:
+        lang = getattr(policy, "lang", None)
+        got = sorted(getattr(lang, "pinned", None) or getattr(lang, "cache", None) or ())
+        got = [t for t in got if t != NULL_INSTRUCTION]
+        try:
+            policy.trained_instructions = got
+        except AttributeError:  # a policy that takes no attributes: computed again next time
+            pass
+    return list(got)
+
+
+def fit_instruction_resolver(instructions: list[str]) -> Any:
+    """The resolver ``groundflow train`` stores in a checkpoint (``InstructionResolver.fit``, seed 0:
+    the same instructions give the same calibration, in about 1 s for a dozen)."""
+    from policies.instructions import InstructionResolver
+    return InstructionResolver.fit(sorted(set(instructions)))
+
+
+def instruction_resolver(policy: Any) -> Any:
+    """The ``InstructionResolver`` of ``policy``'s trained instructions (None without any), built once.
+
+    From the calibration ``groundflow train`` stored in the checkpoint (``extra[RESOLVER_KEY]``, for
+    more than one instruction); a checkpoint saved before that, with one instruction, or whose stored
+    calibration names other instructions, gets it fitted here from its trained instructions, which is
+    deterministic (``fit_instruction_resolver``): the same checkpoint resolves the same way anywhere."""
+    cached = getattr(policy, "_instruction_resolver", None)
+    if cached is not None:
+        return cached
+    trained = trained_instructions(policy)
+    if not trained:
+        return None
+    from policies.instructions import InstructionResolver
+    data = getattr(policy, "resolver_data", None)
+    resolver = None
+    if isinstance(data, dict) and sorted(data.get("instructions") or []) == sorted(trained):
+        resolver = InstructionResolver.from_json(data)
+    if resolver is None:
+        resolver = fit_instruction_resolver(trained)
+    try:
+        policy._instruction_resolver = resolver
+    except AttributeError:
+        pass
+    return resolver
+
+
+def resolve_instruction(policy: Any, text: str, allow_unknown: bool = False) -> str:
+    """The instruction ``policy`` is conditioned on when a user says ``text``: ``text`` itself when
+    it is a trained instruction (or the null one, or the policy has no vocabulary); the trained
+    instruction the resolver maps it to (the policy then sees that instruction's features); else
+    ``UnknownInstructionError`` with the resolver's reason, unless ``allow_unknown`` (``text`` as is:
+    encoded on demand, the behaviour before the resolver). The one place a user's wording is
+    resolved for a checkpoint (``deploy.inference.infer_chunk``, the server, eval, P5)."""
+    if not isinstance(text, str) or text == NULL_INSTRUCTION:
+        return text
+    trained = trained_instructions(policy)
+    if not trained or text in trained:
+        return text
+    resolver = instruction_resolver(policy)
+    res = resolver.resolve(text)
+    if res.ok:
+        return res.instruction
+    if allow_unknown:
+        return text
+    from policies.instructions import UnknownInstructionError
+    raise UnknownInstructionError(text, res.reason, trained)
+
+
 def sinusoidal(t: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
@@ -60,6 +137,11 @@ class VLAModel(nn.Module):
     kind = ""  # "flow" | "ar": the family a subclass implements, recorded in its config
     inputs: dict | None = None
     """what the checkpoint reads at run time, by name (``train.bc.policy_inputs``; set by ``policies.load``)"""
+    trained_instructions: list[str] | None = None
+    """the instructions it was trained on (set by ``policies.load``; ``trained_instructions``)"""
+    resolver_data: dict | None = None
+    """the checkpoint's stored ``InstructionResolver`` calibration (set by ``policies.load``)"""
+    _instruction_resolver: Any = None
     env_id: str | None = None
     """the env or suite the checkpoint was trained on (set by ``policies.load``)"""
     supports_prefix = False
@@ -364,6 +446,8 @@ class VLAModel(nn.Module):
         else:
             os.replace(tmp, out)
             shutil.rmtree(out.with_name(out.name + ".old"), ignore_errors=True)  # an interrupted save's fallback
+        # what it was trained on is now what it saved (training may have added instructions since a load)
+        self.trained_instructions = self.resolver_data = self._instruction_resolver = None
         return out
 
 
@@ -494,5 +578,8 @@ def load_weights(model: VLAModel, directory: str | os.PathLike, meta: dict) -> V
         raise CheckpointError(f"{path} is unreadable (missing, truncated or corrupt?): {e}") from e
     except KeyError as e:
         raise CheckpointError(f"{path} lacks the features of instruction {e} listed in {d / 'config.json'}") from e
+    # what a user's wording is resolved against (resolve_instruction): the trained list, its calibration
+    model.trained_instructions = [t for t in meta.get("instructions") or [] if t != NULL_INSTRUCTION]
+    model.resolver_data = (meta.get("extra") or {}).get(RESOLVER_KEY)
     model.eval()
     return model

@@ -364,7 +364,7 @@ def test_paraphrases_are_encoded_outside_the_lock_kept_bounded_and_never_written
     calls, disk = fake_minilm
     policy = policies.load(tiny_ckpt)
     known = set(policy.lang.cache)
-    srv = PolicyServer(policy, port=0, paraphrases=3)
+    srv = PolicyServer(policy, port=0, paraphrases=3, allow_unknown=True)
     locked: list[bool] = []
     encode = LanguageEncoder._encode_model
 

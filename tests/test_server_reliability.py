@@ -222,7 +222,7 @@ def test_paraphrase_server_loads_the_language_model_before_it_listens(tiny_ckpt,
     import policies
     _use_minilm(monkeypatch, tmp_path, _slow_loading_minilm)
     t0 = time.monotonic()
-    with PolicyServer(policies.load(tiny_ckpt), port=0, paraphrases=4) as srv:
+    with PolicyServer(policies.load(tiny_ckpt), port=0, paraphrases=4, allow_unknown=True) as srv:
         started = time.monotonic() - t0
         with PolicyClient(port=srv.port, timeout=2.0) as c:  # groundflow deploy's default timeout
             t1 = time.monotonic()
@@ -241,7 +241,7 @@ def test_one_client_encoding_new_instructions_does_not_stall_another(tiny_ckpt, 
     sum(range(GIL_HOLD_N))
     hold_s = time.perf_counter() - t
     _use_minilm(monkeypatch, tmp_path, _gil_holding_minilm)
-    with PolicyServer(policies.load(tiny_ckpt), port=0, paraphrases=64) as srv, \
+    with PolicyServer(policies.load(tiny_ckpt), port=0, paraphrases=64, allow_unknown=True) as srv, \
             PolicyClient(port=srv.port, timeout=30) as good:
         good.infer(_obs())
         stop, flooded = threading.Event(), []
@@ -285,7 +285,7 @@ def test_a_new_instruction_is_not_evicted_and_re_encoded_under_the_inference_loc
     monkeypatch.setattr(LanguageEncoder, "start_encoder_process", lambda self, *a, **k: None, raising=False)
     policy = policies.load(tiny_ckpt)
     pinned = len(policy.lang.cache)
-    with PolicyServer(policy, port=0, paraphrases=1) as srv, \
+    with PolicyServer(policy, port=0, paraphrases=1, allow_unknown=True) as srv, \
             PolicyClient(port=srv.port, timeout=10) as a, PolicyClient(port=srv.port, timeout=10) as b:
         results: dict[str, object] = {}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import functools
 import hashlib
 import json
 import math
@@ -37,7 +38,7 @@ from envs import is_proprio, state_indices, state_slices
 from envs.errors import CheckpointError, GroundflowError, InvalidOptionError
 from policies import PolicyConfig, make_policy
 from policies.config import ImagePool, VisionBackbone
-from policies.model import check_vocabulary
+from policies.model import NULL_INSTRUCTION, RESOLVER_KEY, check_vocabulary, fit_instruction_resolver
 from train.cig import CIGObjective, CIGOptions
 from train.data import ChunkData
 from train.evaluate import evaluate
@@ -599,6 +600,19 @@ def _tree_sha256(obj: Any) -> str:
     return h.hexdigest()
 
 
+def _resolver_extra(policy: Any) -> dict[str, Any]:
+    """The instruction resolver's calibration for a checkpoint with more than one instruction (what
+    eval, serve and deploy resolve a user's wording with; ``policies.model.instruction_resolver``)."""
+    texts = tuple(sorted(set(policy.lang.cache) - {NULL_INSTRUCTION}))
+    return {RESOLVER_KEY: _resolver_json(texts)} if len(texts) > 1 else {}
+
+
+@functools.lru_cache(maxsize=4)
+def _resolver_json(texts: tuple[str, ...]) -> dict[str, Any]:
+    """Fitted once per instruction set (about 1 s), not at every periodic save."""
+    return fit_instruction_resolver(list(texts)).to_json()
+
+
 def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra,
           rng: dict[str, Any] | None = None) -> None:
     """OUT/ckpt and OUT/train_state.pt, each written beside the old one and renamed over it. A save
@@ -606,7 +620,9 @@ def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra
     DiskFullError naming the file, the space left and what earlier saves left intact."""
     tmp, writing = out / "train_state.pt.tmp", out / "ckpt"
     try:
-        (ema or policy).save(out / "ckpt", extra={**meta_extra, "step": step})  # removes its own .tmp on failure
+        saved = ema or policy
+        extra = {**meta_extra, "step": step, **_resolver_extra(saved)}
+        saved.save(out / "ckpt", extra=extra)  # removes its own .tmp on failure
         writing = out / "train_state.pt"
         st = {"model": policy.state_dict(), "ema": ema.state_dict() if ema is not None else None,
               "opt": opt.state_dict(), "step": step, "history": history, "args": args_json, "rng": rng}

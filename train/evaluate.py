@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ import envs
 import policies
 from envs.errors import InvalidOptionError
 from envs.metrics import wilson  # noqa: F401  (re-exported for callers)
-from policies.model import PolicyMismatchError, check_vocabulary
+from policies.model import PolicyMismatchError, check_vocabulary, resolve_instruction
 
 
 def check_compatible(policy: Any, env: Any) -> None:
@@ -172,12 +172,29 @@ class EvalArgs:
     episodes: int = 20
     seed: int = 1000
     layout: str | None = None
-    instructions: tuple[str, ...] = ()
-    """suites: evaluate on these instructions only (default: all of the suite's)"""
+    instructions: Annotated[tuple[str, ...], tyro.conf.arg(aliases=("--instruction",))] = ()
+    """suites: evaluate on these instructions only (default: all of the suite's); a user's wording is
+    resolved to the trained instruction it means, and one the checkpoint cannot ground is refused before
+    any episode runs"""
+    allow_unknown: bool = False
+    """run an --instruction the checkpoint cannot ground as is (encoded on demand) instead of refusing it"""
     videos: int = 0
     """record this many episodes as mp4 under --out"""
     out: Path | None = None
     """where to write results.json (default: CKPT/eval_<env>.json)"""
+
+
+def resolve_instructions(policy: Any, texts: Sequence[str], allow_unknown: bool = False) -> list[str]:
+    """The trained instructions ``texts`` mean for ``policy`` (``policies.model.resolve_instruction``),
+    each mapping printed; the first one the checkpoint cannot ground raises ``UnknownInstructionError``
+    (one line: the resolver's reason and the trained instructions) unless ``allow_unknown``."""
+    out = []
+    for text in texts:
+        resolved = resolve_instruction(policy, text, allow_unknown)
+        if resolved != text:
+            print(f"instruction {text!r} -> trained instruction {resolved!r}")
+        out.append(resolved)
+    return out
 
 
 def eval_command(argv: list[str]) -> None:
@@ -185,6 +202,7 @@ def eval_command(argv: list[str]) -> None:
     if args.episodes < 1:  # 0 episodes used to report a success rate of 0.0 and exit 0
         raise InvalidOptionError(f"--episodes must be >= 1, got {args.episodes}")
     policy = policies.load(args.ckpt, to_act=True)
+    instructions = resolve_instructions(policy, args.instructions, args.allow_unknown)  # before any env or episode
     meta = policies.read_checkpoint_meta(args.ckpt)
     env_id = envs.suite_env_id(args.suite) if args.suite else (args.env or meta.get("extra", {}).get("env_id"))
     if env_id is None:
@@ -194,7 +212,7 @@ def eval_command(argv: list[str]) -> None:
     if cams:
         opts.update(cameras=cams, image_size=meta.get("extra", {}).get("env_image_size", policy.config.image_size))
     out = args.out or (Path(args.ckpt) / f"eval_{env_id.replace('/', '_')}.json")
-    res = evaluate(policy, env_id, args.episodes, args.seed, opts, instructions=list(args.instructions) or None,
+    res = evaluate(policy, env_id, args.episodes, args.seed, opts, instructions=instructions or None,
                    video_dir=out.parent / "videos" if args.videos else None, n_videos=args.videos)
     results = res.to_dict()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -751,9 +751,59 @@ def switch_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 3000, 
 # ===================================================================================== #
 # Unseen paraphrases
 # ===================================================================================== #
+class ResolvingPolicy:
+    """``policy`` with each observation's instruction resolved as ``groundflow eval``/``serve``/``deploy``
+    resolve it (``policies.model.resolve_instruction``): a wording the resolver maps is acted on as its
+    trained instruction; an episode whose wording it refuses is held still (a zero action: the
+    suites' end-effector delta controllers stay put) and counted in ``refused_episodes`` (a refusal
+    is a failed episode: the user's robot would not have moved), or with ``allow_unknown`` acted on
+    with the wording as is (encoded on demand; still counted)."""
+
+    def __init__(self, policy: Any, allow_unknown: bool = False):
+        self.policy = policy
+        self.allow_unknown = allow_unknown
+        self.refused_episodes = 0
+        self.refused: dict[str, str] = {}
+        """refused wording -> the resolver's reason"""
+        self.resolved: dict[str, str] = {}
+        """wording -> the trained instruction it was acted on as"""
+        self._counted = False
+        self._seen: dict[str, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+    def reset(self) -> None:
+        self._counted = False
+        self.policy.reset()
+
+    def select_action(self, obs: dict[str, Any]) -> np.ndarray:
+        from policies.instructions import UnknownInstructionError
+        from policies.model import resolve_instruction
+        text = obs.get("instruction")
+        if text not in self.refused and text not in self._seen:  # resolved once per wording, not per step
+            try:
+                self._seen[text] = resolve_instruction(self.policy, text)
+            except UnknownInstructionError as e:
+                self.refused[text] = e.reason
+                if self.allow_unknown:
+                    self._seen[text] = text
+        if text in self.refused:
+            if not self._counted:
+                self.refused_episodes += 1
+                self._counted = True
+            if not self.allow_unknown:
+                return np.zeros(self.policy.config.action_dim, np.float32)
+        trained = self._seen[text]
+        if trained != text:
+            self.resolved[text] = trained
+        return self.policy.select_action({**obs, "instruction": trained})
+
+
 def paraphrase_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 4000,
                     instructions: list[str] | None = None, env_options: dict | None = None, env: Any = None,
-                    clean: bool = True, perturbation_seed: int = 0, progress: bool = False) -> dict[str, Any]:
+                    clean: bool = True, perturbation_seed: int = 0, progress: bool = False,
+                    resolve: bool = False, allow_unknown: bool = False) -> dict[str, Any]:
     """Success when every episode's task is commanded with one of the suite's held-out paraphrases
     (the ``paraphrase`` family of :func:`perturbation_eval` at probability 1), next to the clean
     success on the same seeds and instruction cycle.
@@ -761,16 +811,21 @@ def paraphrase_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 40
     Demonstrations (``collect``, ``relabel``) carry canonical instructions only, so the
     paraphrases are unseen in training; a checkpoint encodes them with its (frozen) language
     encoder on demand. ``paraphrases_in_vocabulary`` lists any the checkpoint already carries
-    (then this is not an unseen-paraphrase test for those).
+    (then this is not an unseen-paraphrase test for those). ``resolve``: each wording goes through
+    the checkpoint's instruction resolver first, as eval/serve/deploy do (``ResolvingPolicy``): a
+    resolved paraphrase is acted on as its trained instruction, a refused one holds still and fails,
+    or with ``allow_unknown`` runs as is (``refused_episodes``, ``refused``, ``resolved`` report what
+    happened).
     """
     own = env is None
     env = _make(policy, env_id, env_options) if own else env
+    acting = ResolvingPolicy(policy, allow_unknown) if resolve else policy
     try:
         suite = _suite_of(env, env_id, "paraphrase")
         instrs = [suite.task(l).instruction for l in (instructions or suite.instructions)]
         paras = {p for l in instrs for p in suite.task(l).paraphrases}
         known = sorted(paras & set(getattr(getattr(policy, "lang", None), "cache", {}) or {}))
-        result = perturbation_eval(policy, env_id, ["paraphrase"], episodes, seed, env=env,
+        result = perturbation_eval(acting, env_id, ["paraphrase"], episodes, seed, env=env,
                                    params={"paraphrase": {"magnitude": 1.0}}, perturbation_seed=perturbation_seed,
                                    clean=clean, progress=progress, instructions=instrs)
     finally:
@@ -780,7 +835,11 @@ def paraphrase_eval(policy: Any, env_id: str, episodes: int = 24, seed: int = 40
     out = {"protocol": "paraphrase", "env_id": env_id, "episodes": fam["episodes"], "seed": seed,
            "successes": fam["successes"], "success_rate": fam["success_rate"], "ci95": fam["ci95"],
            "did_other_task_rate": fam["did_other_task_rate"], "per_instruction": fam["per_instruction"],
-           "paraphrases_in_vocabulary": known, "seconds": result["seconds"]}
+           "paraphrases_in_vocabulary": known, "seconds": result["seconds"], "resolve": bool(resolve),
+           "allow_unknown": bool(resolve and allow_unknown)}
+    if resolve:
+        out.update(refused_episodes=acting.refused_episodes, refused=dict(sorted(acting.refused.items())),
+                   resolved=dict(sorted(acting.resolved.items())))
     if clean:
         out["clean"] = {k: result["clean"][k] for k in ("episodes", "successes", "success_rate", "ci95",
                                                          "did_other_task_rate")}
