@@ -289,7 +289,7 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
          "where it was not run). Budget = 2 k log2 T. log2 C(T,k) = the information bound, the fewest yes/no "
          "rollouts any search needs to single out k causal steps among T. *Fallback* = searches that switched "
          "to single-step ablation over the steps still in question rather than exceed T + 2 rollouts (by at most "
-         "`rollout_slack`, 2, and only where the search's opening guess fails; their rollouts include both). Magnitude baseline = the k steps with the largest "
+         "`rollout_slack`, 8, and only where the search's opening guess fails; their rollouts include both). Magnitude baseline = the k steps with the largest "
          "normalized residual.", ""]
     L += ["## Summary", "", "| env | runs | precision | recall | recall (effective) | harmless blamed | within budget | "
           "fallback | rollout ratio (exhaustive / search) | magnitude-baseline precision |",
