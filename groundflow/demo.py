@@ -16,13 +16,24 @@ then print the results table (also written to OUT/results.json).
 Independent collections, trainings and evaluations run side by side in ``--workers`` processes (one
 torch thread each; train/parallel.py), with the same results as one after another.
 
+A second run reuses a collected dataset or a trained run in OUT only when its stamp
+(``OUT/<name>.stamp.json``, written once it is complete) says it was made by exactly what this run would
+do: the same arguments, from the same inputs (a run's datasets, a continuation's BC checkpoint), by the
+same source of the packages the stage runs and the same versions of the dependencies. Anything else (other
+flags, an upgraded groundflow or torch, an artifact without a stamp from an older demo or a killed run) is
+deleted and made again, in one line saying why, so a long-lived OUT prints what a fresh one prints.
+
 Bigger settings are flags (``make demo ARGS="--bc-steps 20000 --size base"`` on a GPU workstation).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
+import platform
+import re
 import shutil
 import sys
 import time
@@ -89,7 +100,8 @@ class DemoArgs:
     """processes for the independent collections, trainings and evaluations (1: one after another); each
     uses one torch thread, so 2 fill a 2-core machine"""
     fresh: bool = False
-    """delete OUT first (default: reuse collected data and finished stages)"""
+    """delete OUT first (default: reuse the collected data and trained runs whose stamps say this run would
+    make the same; redo the others)"""
 
 
 def _stage(name: str) -> float:
@@ -97,19 +109,158 @@ def _stage(name: str) -> float:
     return time.time()
 
 
-def _collect_job(runs: list[CollectArgs], report: Report) -> list[dict]:
-    """Collect into each ``runs[i].out`` in turn, reporting episodes over all of them."""
+# --- stamps: what made each artifact in OUT (reused only when this run would make the same) ---------------
+
+_ROOT = Path(__file__).resolve().parent.parent
+# the source each stage runs (envs and dataset import none of the others; train, policies and guidance
+# import neither deploy nor groundflow, whose effect on an artifact is all in the arguments stamped)
+_COLLECT_CODE = ("envs", "dataset", "train/collect.py")
+_TRAIN_CODE = ("envs", "dataset", "guidance", "policies", "train")
+_UNSTAMPED = ("progress", "overwrite")  # how a stage reports or where it may write, not what it makes
+
+
+def _stamp_path(artifact: Path) -> Path:
+    return artifact.with_name(artifact.name + ".stamp.json")
+
+
+def _code_digests(parts: tuple[str, ...]) -> dict[str, str]:
+    """sha256 of each package's (or file's) Python source, by path relative to the repository."""
+    out = {}
+    for part in parts:
+        p = _ROOT / part
+        files = sorted(p.rglob("*.py")) if p.is_dir() else [p]
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.relative_to(_ROOT).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        out[part] = h.hexdigest()[:16]
+    return out
+
+
+def _versions() -> dict[str, str]:
+    """Python and the installed versions of groundflow's dependencies (and ManiSkill's simulator)."""
+    try:
+        reqs = [r for r in importlib.metadata.requires("groundflow") or [] if "extra ==" not in r]
+    except importlib.metadata.PackageNotFoundError:
+        reqs = []
+    names = sorted({m.group(0).lower() for r in reqs if (m := re.match(r"[A-Za-z0-9_.\-]+", r))} | {"sapien"})
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _settings(args: CollectArgs | TrainArgs, out: Path) -> dict:
+    """A stage's arguments as JSON, with paths inside OUT written relative to it (moving OUT keeps them)."""
+    def norm(x):
+        if isinstance(x, Path):
+            try:
+                return "OUT/" + x.relative_to(out).as_posix()
+            except ValueError:
+                return str(x)
+        if isinstance(x, (list, tuple)):
+            return [norm(v) for v in x]
+        if isinstance(x, dict):
+            return {str(k): norm(v) for k, v in x.items()}
+        return x
+    return {k: norm(v) for k, v in asdict(args).items() if k not in _UNSTAMPED}
+
+
+def _stamp(args: CollectArgs | TrainArgs, out: Path, inputs: dict[str, dict], code: dict[str, str],
+           versions: dict[str, str]) -> dict:
+    """What makes an artifact: the stage's arguments, its inputs' stamps (by digest), the code, the versions."""
+    body = {"settings": _settings(args, out), "inputs": {k: v["digest"] for k, v in inputs.items()},
+            "code": code, "versions": versions}
+    body = json.loads(json.dumps(body, default=str))  # as it reads back from the file
+    return {**body, "digest": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()}
+
+
+def _write_stamp(artifact: Path, stamp: dict) -> None:
+    """Written only once the artifact is complete, atomically: a killed run leaves no stamp."""
+    path = _stamp_path(artifact)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(stamp, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _why_stale(old: dict, new: dict) -> str:
+    """What differs between the stamp an artifact has and the one this run would give it, in a few words."""
+    def changes(a: dict, b: dict, sep: str) -> list[str]:
+        a, b = _flat(a), _flat(b)
+        return [f"{k}{sep}{json.dumps(a.get(k, 'unset'))} -> {json.dumps(b.get(k, 'unset'))}"
+                for k in sorted(set(a) | set(b)) if a.get(k, "unset") != b.get(k, "unset")]
+    why = []
+    if ch := changes(old.get("settings", {}), new["settings"], " "):
+        why.append("made with other settings (" + ", ".join(ch[:4]) + (f", and {len(ch) - 4} more" if len(ch) > 4
+                                                                      else "") + ")")
+    if ins := [k for k in sorted(set(old.get("inputs", {})) | set(new["inputs"]))
+               if old.get("inputs", {}).get(k) != new["inputs"].get(k)]:
+        why.append("made from another " + ", ".join(ins))
+    if code := [k for k in new["code"] if old.get("code", {}).get(k) != new["code"][k]]:
+        why.append("made by other groundflow source (" + ", ".join(code) + ")")
+    if ch := changes(old.get("versions", {}), new["versions"], " "):
+        why.append("made with other versions (" + ", ".join(ch[:4]) + (f", and {len(ch) - 4} more" if len(ch) > 4
+                                                                      else "") + ")")
+    return "; ".join(why) or "made otherwise"
+
+
+def _reusable(artifact: Path, ckpt: Path, stamp: dict, verb: str, shown: Path) -> bool:
+    """Whether ``artifact`` (complete when ``ckpt`` exists) was made by what this run would do; if not, it
+    and its stamp are deleted, saying why when there was something to delete."""
+    stamp_file = _stamp_path(artifact)
+    old = None
+    if stamp_file.exists():
+        try:
+            old = json.loads(stamp_file.read_text())
+        except (OSError, ValueError):
+            old = {}
+    if ckpt.exists() and old is not None and old.get("digest") == stamp["digest"]:
+        return True
+    if ckpt.exists():
+        why = ("no stamp (made by an older demo, or not finished)" if old is None else
+               "unreadable stamp" if not old else _why_stale(old, stamp))
+        print(f"{shown}: {why}; {verb} again", flush=True)
+    stamp_file.unlink(missing_ok=True)  # the stamp first: a run killed in between leaves no stamp
+    if artifact.is_dir():
+        shutil.rmtree(artifact, ignore_errors=True)
+    else:
+        artifact.unlink(missing_ok=True)
+    return False
+
+
+def _collect_job(runs: list[tuple[CollectArgs, dict]], report: Report) -> list[dict]:
+    """Collect into each ``runs[i][0].out`` in turn, reporting episodes over all of them, and stamp each."""
     done, out = 0, []
-    for c in runs:
+    for c, stamp in runs:
         out.append(collect(replace(c, progress=False), on_episode=lambda n, d=done: report(d + n)))
+        _write_stamp(c.out, stamp)
         done += c.episodes
     return out
 
 
-def _train_job(targs: TrainArgs, report: Report) -> dict:
+def _train_job(targs: TrainArgs, stamp: dict, report: Report) -> dict:
     summary = train(replace(targs, progress=False), on_step=report)
+    _write_stamp(targs.out, stamp)
     summary.pop("history", None)
     return summary
+
+
+def _say_reused(paths: list[Path]) -> None:
+    if paths:
+        print("reusing " + ", ".join(str(p) for p in paths) + " (their stamps say this run would make the same)",
+              flush=True)
 
 
 def _eval_job(run_dir: Path, held: Path, args: DemoArgs, report: Report) -> tuple[dict, dict]:
@@ -154,9 +305,14 @@ def main(argv: list[str] | None = None) -> dict:
               # straight reaches without obstacles, with DART noise (so the policy can recover after a detour)
               CollectArgs(env="maniskill/CollisionAvoidance-v1", episodes=args.collision_demos, out=cdata,
                           seed=args.seed, dart_noise=0.3)]
-    groups = [[c for c in g if not c.out.exists()] for g in ([tabletop], others)]
-    jobs = [Job(f"collect {', '.join(c.out.name for c in g)}", partial(_collect_job, g), sum(c.episodes for c in g))
-            for g in groups if g]
+    versions = _versions()
+    code = {"collect": _code_digests(_COLLECT_CODE), "train": _code_digests(_TRAIN_CODE)}
+    stamps = {c.out: _stamp(c, args.out, {}, code["collect"], versions) for c in [tabletop, *others]}
+    redo = {c.out for c in [tabletop, *others] if not _reusable(c.out, c.out, stamps[c.out], "collecting", c.out)}
+    _say_reused([c.out for c in [tabletop, *others] if c.out not in redo])
+    groups = [[(c, stamps[c.out]) for c in g if c.out in redo] for g in ([tabletop], others)]
+    jobs = [Job(f"collect {', '.join(c.out.name for c, _ in g)}", partial(_collect_job, g),
+                sum(c.episodes for c, _ in g)) for g in groups if g]
     if jobs:
         run_jobs(jobs, args.workers, desc="collect (episodes)")
     res["stages"]["collect_s"] = time.time() - started
@@ -178,19 +334,27 @@ def main(argv: list[str] | None = None) -> dict:
     plan += [("BC", recipe_args("multitask", steps=args.bc_steps, out=bc_dir, **common)),
              ("reach", TrainArgs(data=(cdata,), policy="flow", size=args.size, steps=args.collision_steps, horizon=8,
                                  n_exec=4, out=cdir, seed=args.seed, wandb="disabled"))]
-    jobs = []
+    if not joint:  # continuation: from the BC checkpoint, so after it
+        plan.append(("CIG continuation", recipe_args("multitask", init_from=bc_dir / "ckpt", steps=args.cig_steps,
+                                                     lr=1e-4, warmup_steps=20, out=cig_dir, cig=cig,
+                                                     **{k: v for k, v in common.items() if k != "size"})))
+    jobs, after, reused = [], [], []
     for name, targs in plan:
-        if not (targs.out / "ckpt").exists():
-            shutil.rmtree(targs.out, ignore_errors=True)
-            jobs.append(Job(f"train {name} ({targs.steps} steps)", partial(_train_job, targs), targs.steps))
+        # its inputs' stamps: the datasets, and a continuation's BC run (stamped before it is trained)
+        inputs = [*targs.data, *([bc_dir] if targs.init_from else [])]
+        stamps[targs.out] = _stamp(targs, args.out, {"OUT/" + d.relative_to(args.out).as_posix(): stamps[d]
+                                                     for d in inputs}, code["train"], versions)
+        if _reusable(targs.out, targs.out / "ckpt", stamps[targs.out], "training", targs.out):
+            reused.append(targs.out)
+        else:
+            (after if targs.init_from else jobs).append(
+                Job(f"{name if targs.init_from else 'train ' + name} ({targs.steps} steps)",
+                    partial(_train_job, targs, stamps[targs.out]), targs.steps))
+    _say_reused(reused)
     if jobs:
         run_jobs(jobs, args.workers, desc="train (steps)")
-    if not joint and not (cig_dir / "ckpt").exists():  # continuation needs the BC checkpoint first
-        shutil.rmtree(cig_dir, ignore_errors=True)
-        targs = recipe_args("multitask", init_from=bc_dir / "ckpt", steps=args.cig_steps, lr=1e-4, warmup_steps=20,
-                            out=cig_dir, cig=cig, **{k: v for k, v in common.items() if k != "size"})
-        run_jobs([Job(f"CIG continuation ({args.cig_steps} steps)", partial(_train_job, targs), targs.steps)], 1,
-                 desc="CIG (steps)")
+    if after:  # continuation needs the BC checkpoint first
+        run_jobs(after, 1, desc="CIG (steps)")
     res["stages"]["train_s"] = time.time() - started
 
     started = _stage("3/5 evaluate where the layout no longer predicts the task (and where it does)")
