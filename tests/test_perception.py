@@ -206,7 +206,8 @@ def test_randomized_collection_changes_the_images_not_the_demos(tmp_path, env):
 
 @pytest.mark.parametrize("recipe, env_id", [("pixels", "maniskill/TabletopSuite-v1"),
                                             ("pixels_large", "maniskill/TabletopSuite-v1"),
-                                            ("pixels_kitchen", "robosuite/KitchenSuite")])
+                                            ("pixels_kitchen", "robosuite/KitchenSuite"),
+                                            ("pixels_libero", "libero/GoalSuite")])
 def test_pixel_recipes_leave_only_proprioception_as_state_input(recipe, env_id):
     """The real-arm contract at the recipe level: on its suite, every state slice a pixel recipe does not
     hide is one a physical arm measures itself, and each estimated entry is hidden from the input."""

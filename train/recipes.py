@@ -41,6 +41,15 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         {**_MULTITASK, "cameras": ("agentview", "robot0_eye_in_hand"), "image_size": 96,
          "ignore_state": ("*vel", "*_acc", "*_cube_*", "green_can_*", "gripper_to_*", "plate_pos", "bin_pos"),
          "estimate_state": ("*_cube_pos", "green_can_pos", "*_cube_quat[2:4]"), "estimate_noise": 0.0}),
+    "pixels_libero": (
+        "the `pixels` recipe on LIBERO-Goal: LIBERO's front camera (`agentview`) and the wrist camera "
+        "(`robot0_eye_in_hand`), 96 px; the head estimates where each object and fixture stands and how far the "
+        "drawers and the stove knob are turned; the objects' orientations and their offsets from the gripper are "
+        "not read (benchmarks/pixels.py --suite libero_goal)",
+        {**_MULTITASK, "cameras": ("agentview", "robot0_eye_in_hand"), "image_size": 96,
+         "ignore_state": ("*vel", "*_acc", "*_1_quat", "*_to_robot0_eef_*", "*_1_pos", "*_level_qpos",
+                          "*_button_qpos"),
+         "estimate_state": ("*_1_pos", "*_level_qpos", "*_button_qpos"), "estimate_noise": 0.0}),
     "pixels_large": (
         "the `pixels` recipe for a GPU workstation: 128 px images and a head twice as wide (32 channels, 64 "
         "keypoints per camera); train its head longer (`groundflow train estimator --steps 30000`). Not measured: "
