@@ -771,8 +771,7 @@ class InstructionResolver:
                 matches[k] = soft
                 continue
             if not self.lex.known(t.word) and t.word not in english_words():
-                return toks, matches, (f"could not read '{t.raw}' (no English word this policy knows, nor a typo of "
-                                       f"one); {self._known_hint()}"), exempt
+                return toks, matches, self._unreadable(t), exempt
             return toks, matches, (f"'{t.raw}' is not an action this policy was trained on "
                                    f"(it knows: {', '.join(v.replace('_', ' ') for v in self.lex.verbs)})"), exempt
         # objects: each noun phrase's head grounds, or the phrase holds a grounded noun ("goal region")
@@ -789,13 +788,16 @@ class InstructionResolver:
                 matches[k] = soft
                 continue
             if not self.lex.known(t.word) and t.word not in english_words():
-                return toks, matches, (f"could not read '{t.raw}' (no English word this policy knows, nor a typo of "
-                                       f"one); {self._known_hint()}"), exempt
+                return toks, matches, self._unreadable(t), exempt
             return toks, matches, (f"'{t.raw}' is not an object or place this policy was trained on "
                                    f"(it knows: {', '.join(self.lex.nouns)})"), exempt
         if not any(k in matches for k in content if k not in exempt):
             return toks, matches, f"no trained instruction is close to {text.strip()!r}; {self._known_hint()}", exempt
         return toks, matches, None, exempt
+
+    def _unreadable(self, t: Token) -> str:
+        """The reason for a word that is neither English nor a typo of a word the policy knows."""
+        return f"could not read '{t.raw}' (no English word this policy knows, nor a typo of one); {self._known_hint()}"
 
     def _opposites(self, w: str) -> list[str]:
         """Trained words ``w`` (or a synonym of it) is the opposite of (or of a synonym of)."""
