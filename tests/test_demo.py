@@ -99,7 +99,8 @@ def test_a_second_run_with_the_same_settings_reuses_everything(first_run, tmp_pa
 @pytest.mark.parametrize("changed, redone", [
     ({"bc_steps": 3}, {"bc": "steps 2 -> 3", "bc_2x": "steps 4 -> 6", "cig_joint": "steps 2 -> 3"}),
     # the tabletop runs' own settings are unchanged: they are trained again because their data is
-    ({"demos": 7}, {"tabletop_rho0.9.h5": "episodes 6 -> 7", "bc": "", "bc_2x": "", "cig_joint": ""}),
+    pytest.param({"demos": 7}, {"tabletop_rho0.9.h5": "episodes 6 -> 7", "bc": "", "bc_2x": "", "cig_joint": ""},
+                 marks=pytest.mark.slow),  # the same path as bc_steps, through a dataset (make test-slow)
 ], ids=["bc_steps", "demos"])
 def test_a_changed_setting_redoes_exactly_the_affected_artifacts_and_says_why(first_run, tmp_path, capsys, changed,
                                                                               redone):
