@@ -484,7 +484,7 @@ class PolicyServer:
         """Why ``text`` would not be served as is (None: it would): by default only the checkpoint's
         instructions are (clients pick strings); with --paraphrases N others are encoded."""
         lang = self.lang
-        if lang is None or not hasattr(lang, "knows") or lang.knows(text) or text == NULL_INSTRUCTION:
+        if self._has_features(text):
             return None
         if self.paraphrases <= 0:
             known = sorted(lang.pinned)
@@ -493,12 +493,17 @@ class PolicyServer:
                     f"{listed or 'no instructions'} (serve with --paraphrases N to encode others)")
         return None
 
+    def _has_features(self, text: str) -> bool:
+        """Whether the policy conditions on ``text`` without encoding it (no vocabulary, a known
+        instruction, or the learned "no instruction")."""
+        lang = self.lang
+        return lang is None or not hasattr(lang, "knows") or lang.knows(text) or text == NULL_INSTRUCTION
+
     def _prepare_instruction(self, text: str) -> str | None:
         """Encode a new instruction outside the inference lock (paraphrase mode), or say why it is
         refused (``_unknown``)."""
         unknown = self._unknown(text)
-        if unknown is None and self.lang is not None and hasattr(self.lang, "knows") and not self.lang.knows(text) \
-                and text != NULL_INSTRUCTION:
+        if unknown is None and not self._has_features(text):
             self.lang.warm([text])
         return unknown
 

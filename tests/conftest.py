@@ -118,3 +118,25 @@ class TickLog:
         median = float(np.median(np.diff(starts)))
         assert abs(median - period) < median_tol_s, f"median period {median * 1e3:.2f} ms"
         return {"late_ticks": len(late), "reanchors": reanchors, "median_period_ms": median * 1e3}
+
+
+def tiny_flow_policy(env_id: str):
+    """An untrained tiny flow policy for ``env_id`` (seeded weights, a normalizer fitted to random data)
+    and the env's state layout: a checkpoint to save, serve or deploy without training one."""
+    import numpy as np
+    import torch
+
+    import policies
+    env = envs.make(env_id)
+    try:
+        layout = list(env.state_layout)
+        state_dim, action_dim = env.observation_space["state"].shape[0], env.action_space.shape[0]
+    finally:
+        env.close()
+    cfg = policies.PolicyConfig(kind="flow", state_dim=state_dim, action_dim=action_dim, horizon=4, n_exec=4,
+                                size="tiny")
+    torch.manual_seed(0)
+    model = policies.make_policy(cfg)
+    rng = np.random.default_rng(0)
+    model.fit_normalizer(rng.normal(size=(64, state_dim)), rng.uniform(-0.1, 0.1, size=(64, action_dim)))
+    return model, layout

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
+from conftest import tiny_flow_policy
 from deploy.scripted import JointTargetPolicy
 from deploy.server import PolicyServer
 from groundflow.cli import main
@@ -20,20 +20,8 @@ INSTRUCTION = "move the cube"
 def pushcube_ckpt(tmp_path_factory):
     """A tiny untrained flow checkpoint that says it was trained on PushCube, as train/bc.py records it."""
     torch = pytest.importorskip("torch")
-    import envs
-    import policies
-    env = envs.make("maniskill/PushCube-v1")
-    try:
-        layout = list(env.state_layout)
-        state_dim, action_dim = env.observation_space["state"].shape[0], env.action_space.shape[0]
-    finally:
-        env.close()
-    cfg = policies.PolicyConfig(kind="flow", state_dim=state_dim, action_dim=action_dim, horizon=4, n_exec=4,
-                                size="tiny")
-    torch.manual_seed(0)
-    model = policies.make_policy(cfg)
-    rng = np.random.default_rng(0)
-    model.fit_normalizer(rng.normal(size=(64, state_dim)), rng.uniform(-0.1, 0.1, size=(64, action_dim)))
+    model, layout = tiny_flow_policy("maniskill/PushCube-v1")
+    cfg = model.config
     # a fixed instruction feature instead of loading the language model: the checkpoint carries it
     model.lang.cache[INSTRUCTION] = torch.zeros(1, cfg.lang_dim)
     inputs = {"cameras": [], "state": [name for name, _ in layout], "estimated": [], "reads_object_state": True}

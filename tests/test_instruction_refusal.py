@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import tiny_flow_policy
 from deploy.client import LocalPolicy, PolicyClient
 from deploy.errors import EXIT_INSTRUCTION_REFUSED, InstructionRefusedError
 from deploy.server import PolicyServer
@@ -22,20 +23,8 @@ REFUSED = "push the purple cube to the left goal"  # a colour the suite grounds,
 
 
 def _tiny_policy():
-    import envs
-    import policies
-    env = envs.make(ENV)
-    try:
-        layout = list(env.state_layout)
-        state_dim, action_dim = env.observation_space["state"].shape[0], env.action_space.shape[0]
-    finally:
-        env.close()
-    cfg = policies.PolicyConfig(kind="flow", state_dim=state_dim, action_dim=action_dim, horizon=4, n_exec=4,
-                                size="tiny")
-    torch.manual_seed(0)
-    model = policies.make_policy(cfg)
-    rng = np.random.default_rng(0)
-    model.fit_normalizer(rng.normal(size=(64, state_dim)), rng.uniform(-0.1, 0.1, size=(64, action_dim)))
+    model, layout = tiny_flow_policy(ENV)
+    cfg = model.config
     for i, t in enumerate(TRAINED):  # distinct fixed features: a swapped instruction gives another chunk
         model.lang.cache[t] = torch.randn(1, cfg.lang_dim, generator=torch.Generator().manual_seed(i))
     with torch.no_grad():  # chunks that depend on the instruction
