@@ -114,6 +114,8 @@ class DeployArgs:
     """--robot sim: env id"""
     control_mode: str | None = None
     """--robot sim: ManiSkill control mode"""
+    sim_robot: str | None = None
+    """--robot sim: ManiSkill robot (robot_uids), e.g. panda_wristcam for a wrist camera on ManiSkill's tasks"""
     lockstep: bool = False
     """--robot sim: step the env once per command, no sleeping (evaluation)"""
     latency_ms: float = 0.0
@@ -230,7 +232,7 @@ def make_robot(args: DeployArgs, stack: list):
 
 def _make_driver(args: DeployArgs, stack: list):
     if args.robot == "sim":
-        opts = {"control_mode": args.control_mode} if args.control_mode else {}
+        opts = {k: v for k, v in (("control_mode", args.control_mode), ("robot_uids", args.sim_robot)) if v}
         if args.sim_cameras:
             opts.update(cameras=tuple(args.sim_cameras), image_size=args.sim_image_size)
         return SimRobot(args.env, env_options=opts, seed=args.seed, latency_s=args.latency_ms / 1e3,

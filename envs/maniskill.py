@@ -15,7 +15,7 @@ import numpy as np
 from envs import platform_setup
 from envs.base import GroundflowEnv, Obs
 from envs.errors import InvalidOptionError, MissingAssetsError
-from envs.maniskill_experts import MotionPlanningExpert
+from envs.maniskill_experts import MotionPlanningExpert, ScriptedPushCubeExpert
 from envs.physics import ManiSkillPhysics
 
 # Episode limits sized to the motion-planning experts (ManiSkill's own 50-step limits are
@@ -207,6 +207,8 @@ class ManiSkillEnv(GroundflowEnv):
     def make_expert(self, **options: Any):
         if hasattr(self.raw, "make_expert"):
             return self.raw.make_expert(**options)
+        if self.ms_id == "PushCube-v1" and self.control_mode == "pd_ee_delta_pos":  # closed loop, no planner
+            return ScriptedPushCubeExpert(**options)
         return MotionPlanningExpert(self.ms_id, **options)
 
     def close(self):

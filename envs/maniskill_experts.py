@@ -78,3 +78,35 @@ class MotionPlanningExpert:
     @property
     def done(self) -> bool:
         return self._i >= len(self._actions)
+
+
+class ScriptedPushCubeExpert:
+    """Closed-loop scripted expert for ManiSkill's ``PushCube-v1`` in ``pd_ee_delta_pos``.
+
+    The motion planner plans a joint path per episode (about 4 episodes a minute per process) and
+    replays it open loop. This reads the TCP, the cube and the goal every step and pushes with the
+    tabletop suite's steering (``push_step``), so it is fast, recovers from its own noise, and labels
+    any state (DART, DAgger).
+    """
+
+    def __init__(self, noise: float = 0.0, seed: int | None = None):
+        self.noise = float(noise)
+        self.rng = np.random.default_rng(seed)
+        self.raw: Any = None
+
+    def reset(self, env: Any, obs: dict | None = None) -> None:
+        genv = env.unwrapped if hasattr(env, "unwrapped") else env
+        if genv.control_mode != "pd_ee_delta_pos":
+            raise ValueError(f"the scripted PushCube expert acts in pd_ee_delta_pos, env uses {genv.control_mode}")
+        self.raw = genv.raw
+
+    def act(self, obs: dict | None = None) -> np.ndarray:
+        from envs.maniskill_tasks.table_scene import push_step
+        if self.raw is None:
+            raise RuntimeError("call expert.reset(env, obs) before act()")
+        p = [x.pose.p[0].detach().cpu().numpy().astype(np.float64)
+             for x in (self.raw.agent.tcp, self.raw.obj, self.raw.goal_region)]
+        a = push_step(p[0], p[1], p[2], hover_z=0.10)
+        if self.noise > 0:
+            a[:3] = np.clip(a[:3] + self.rng.normal(0, self.noise, 3), -1, 1)
+        return a.astype(np.float32)

@@ -62,12 +62,12 @@ def test_bad_input_is_named():
     env.close()
 
 
-def _expert_wins(name: str, seeds: range) -> int:
-    env = envs.make(f"maniskill/{name}-v1")
+def _expert_wins(name: str, seeds: range, noise: float = 0.0, **options) -> int:
+    env = envs.make(f"maniskill/{name}-v1", **options)
     wins = 0
     for seed in seeds:
         obs, _ = env.reset(seed=seed)
-        ex = env.make_expert()
+        ex = env.make_expert(noise=noise, seed=seed)
         ex.reset(env, obs)
         for _ in range(env.max_episode_steps):
             obs, r, term, trunc, info = env.step(ex.act(obs))
@@ -81,6 +81,25 @@ def _expert_wins(name: str, seeds: range) -> int:
 @pytest.mark.parametrize("name", ["PushCube", "PickCube", "StackCube"])
 def test_motion_planning_expert_succeeds(name):
     assert _expert_wins(name, range(3)) == 3
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.2])
+def test_scripted_pushcube_expert_succeeds_and_recovers(noise):
+    """In pd_ee_delta_pos PushCube gets the closed-loop scripted expert: it wins every layout, also when
+    noise knocks it off its path (the joint-space planner replays its plan open loop)."""
+    assert _expert_wins("PushCube", range(12), noise=noise, control_mode="pd_ee_delta_pos") == 12
+
+
+def test_scripted_pushcube_expert_names_its_controller():
+    env = envs.make("maniskill/PushCube-v1")
+    ex = env.make_expert()
+    obs, _ = env.reset(seed=0)
+    ex.reset(env, obs)  # pd_joint_pos: the motion planner, as before
+    assert type(ex).__name__ == "MotionPlanningExpert"
+    env.close()
+    from envs.maniskill_experts import ScriptedPushCubeExpert
+    with pytest.raises(ValueError, match="pd_ee_delta_pos"):
+        ScriptedPushCubeExpert().reset(envs.make("maniskill/PushCube-v1"), obs)
 
 
 def test_camera_observation():

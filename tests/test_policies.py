@@ -287,6 +287,27 @@ def test_image_conditioned_training_end_to_end(tmp_path):
                         progress=False))
 
 
+def test_the_collecting_controller_travels_with_the_checkpoint(tmp_path, capsys):
+    """Demos collected in another controller (PushCube's scripted expert acts in pd_ee_delta_pos: 4-d actions,
+    not the default 8-d joint targets) train a checkpoint that `groundflow eval` runs in that controller;
+    a second dataset in another controller is refused, not mixed."""
+    from dataset import DatasetError
+    from groundflow.cli import main
+    ee, joint = tmp_path / "ee.h5", tmp_path / "joint.h5"
+    collect(CollectArgs(env="maniskill/PushCube-v1", episodes=2, out=ee, control_mode="pd_ee_delta_pos", progress=False))
+    collect(CollectArgs(env="maniskill/PushCube-v1", episodes=1, out=joint, progress=False))
+    assert ChunkData(ee, 4).env_options == {"control_mode": "pd_ee_delta_pos"} and ChunkData(ee, 4).action_dim == 4
+    with pytest.raises(DatasetError, match="pd_ee_delta_pos"):
+        ChunkData([ee, joint], 4)
+    train(TrainArgs(data=(ee,), steps=5, batch_size=8, horizon=8, out=tmp_path / "run", wandb="disabled",
+                    progress=False))
+    assert policies.read_checkpoint_meta(tmp_path / "run" / "ckpt")["extra"]["env_options"] == {
+        "control_mode": "pd_ee_delta_pos"}
+    assert main(["eval", "--ckpt", str(tmp_path / "run" / "ckpt"), "--episodes", "1",
+                 "--out", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["episodes"] == 1
+
+
 def test_ignored_state_slices_are_not_read(tmp_path, push_data):
     """--ignore-state names slices of the env's state layout (recorded by collect); the policy then
     gives the same chunk whatever those entries hold, and still reads the rest."""

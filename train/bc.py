@@ -248,7 +248,8 @@ def _noise_from(ckpt: Path | None) -> tuple[float, ...]:
 
 def _checkpoint_extra(data: ChunkData, args_json: dict, policy: Any) -> dict[str, Any]:
     """What every checkpoint of the run records beside its weights."""
-    return {"env_id": data.env_id, "instructions": data.instructions, "train_args": args_json,
+    return {"env_id": data.env_id, "env_options": data.env_options, "instructions": data.instructions,
+            "train_args": args_json,
             "inputs": policy_inputs(policy.config, data.state_layout)}
 
 
@@ -517,7 +518,7 @@ def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, 
         if on_step is not None:
             on_step(step)
         if rank == 0 and args.eval_every and step % args.eval_every == 0 and args.eval_episodes:
-            summary["eval"] = _evaluate(ema or policy, data.env_id, args)
+            summary["eval"] = _evaluate(ema or policy, data, args)
             summary.setdefault("eval_curve", []).append(  # the learning curve in closed loop
                 {"step": step, "success_rate": summary["eval"]["success_rate"], "ci95": summary["eval"]["ci95"]})
             logger.log({"eval/success_rate": summary["eval"]["success_rate"]}, step)
@@ -533,7 +534,7 @@ def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, 
                    samples_per_s=samples / max(dt, 1e-9), seconds=dt, ckpt=str(out / "ckpt"),
                    torch_threads=torch.get_num_threads(), torch_version=torch.__version__, history=history)
     if rank == 0 and args.eval_episodes and not args.eval_every:
-        summary["eval"] = _evaluate(ema or policy, data.env_id, args)
+        summary["eval"] = _evaluate(ema or policy, data, args)
     if rank == 0:
         _write_summary(out, summary)
     logger.finish()
@@ -542,8 +543,9 @@ def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, 
     return summary
 
 
-def _evaluate(policy, env_id: str, args: TrainArgs) -> dict[str, Any]:
-    opts = dict(args.eval_options)
+def _evaluate(policy, data: ChunkData, args: TrainArgs) -> dict[str, Any]:
+    env_id = data.env_id
+    opts = {**data.env_options, **args.eval_options}
     if args.cameras:
         opts.update(cameras=tuple(args.cameras), image_size=args.image_size)
     res = evaluate(policy, args.eval_env or env_id, args.eval_episodes, seed=10_000, env_options=opts,

@@ -61,6 +61,12 @@ class CollectArgs:
     overwrite: bool = False
     """replace an existing --out, or the .partial file (and .episodes/ journal) a killed run left (refused
     otherwise, in one line saying how many of its episodes are recoverable and how)"""
+    control_mode: str | None = None
+    """ManiSkill: the controller the demos act in (default: the env's; ManiSkill's PushCube-v1 has a fast
+    closed-loop scripted expert in pd_ee_delta_pos, its motion planner acts in pd_joint_pos)"""
+    robot: str | None = None
+    """ManiSkill: the robot (robot_uids), e.g. panda_wristcam for a wrist camera (hand_camera) on
+    ManiSkill's own tasks"""
     env_options: dict[str, Any] = field(default_factory=dict)
     """extra options passed to envs.make"""
     progress: bool = True
@@ -96,6 +102,7 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
     check_output_path(args.out)  # before the env starts: a directory used to fail only after every episode
     env_id = envs.suite_env_id(args.suite) if args.suite else args.env
     options = dict(args.env_options)
+    options.update({k: v for k, v in (("control_mode", args.control_mode), ("robot_uids", args.robot)) if v})
     if args.cameras:
         options.update(cameras=tuple(args.cameras), image_size=args.image_size)
     if args.layout is not None:

@@ -17,6 +17,8 @@ from dataset import Dataset, DatasetError
 ABSURD = 1e6
 """|state| or |action| above this in training data is refused: real ones stay below ~1e3 (a flipped
 exponent bit or a float read as an integer gives ~1e9 and more)"""
+ENV_INTERFACE = ("control_mode", "robot_uids")
+"""collect options that change what the env's actions and observations are"""
 
 
 class ChunkData:
@@ -28,6 +30,8 @@ class ChunkData:
         states, actions, instr, task, prog, ep_of, start_of, length_of, sims = [], [], [], [], [], [], [], [], []
         images: dict[str, list[np.ndarray]] = {c: [] for c in self.cameras}
         self.env_id = None
+        self.env_options: dict[str, Any] = {}
+        """the collecting env's options that set its interface (controller, robot): evaluation rebuilds it so"""
         self.state_dim = self.action_dim = None
         self.state_layout: list | None = None  # (name, size) slices, where the collecting env named them
         offset, e = 0, 0
@@ -36,9 +40,14 @@ class ChunkData:
                 missing = [c for c in self.cameras if c not in ds.cameras]
                 if missing:
                     raise DatasetError(f"{path} has cameras {list(ds.cameras)}, the policy needs {missing}")
+                interface = {k: v for k, v in (ds.meta.get("env_options") or {}).items() if k in ENV_INTERFACE}
                 if self.state_dim is None:
                     self.env_id, self.state_dim, self.action_dim = ds.env_id, ds.state_dim, ds.action_dim
                     self.state_layout = ds.meta.get("state_layout")
+                    self.env_options = interface
+                elif interface != self.env_options:
+                    raise DatasetError(f"{path} was collected with {interface or 'the env defaults'}, the first "
+                                       f"dataset with {self.env_options or 'the env defaults'}: not one action space")
                 elif (ds.state_dim, ds.action_dim) != (self.state_dim, self.action_dim):
                     raise DatasetError(f"{path}: state/action dims {(ds.state_dim, ds.action_dim)} differ from "
                                        f"{(self.state_dim, self.action_dim)} of the first dataset")

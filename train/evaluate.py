@@ -207,7 +207,9 @@ def eval_command(argv: list[str]) -> None:
     env_id = envs.suite_env_id(args.suite) if args.suite else (args.env or meta.get("extra", {}).get("env_id"))
     if env_id is None:
         raise ValueError("give --env or --suite (the checkpoint does not name its env)")
-    opts = {"layout": args.layout} if args.layout else {}
+    opts = dict(meta.get("extra", {}).get("env_options") or {}) if not args.suite else {}  # its controller, robot
+    if args.layout:
+        opts["layout"] = args.layout
     cams = policy.config.cameras
     if cams:
         opts.update(cameras=cams, image_size=meta.get("extra", {}).get("env_image_size", policy.config.image_size))

@@ -128,3 +128,37 @@ def _move(tcp: np.ndarray, target: np.ndarray, vmax: float = 1.0) -> np.ndarray:
     a = GAIN * (np.asarray(target) - tcp)
     n = np.linalg.norm(a)
     return a * (vmax / n) if n > vmax else a
+
+
+PUSH_Z = 0.018  # TCP height while pushing (the closed fingertips meet a 4 cm cube's lower half)
+PUSH_BACKOFF = 0.05  # TCP starts a push this far behind the cube centre
+
+
+def push_step(tcp: np.ndarray, cube: np.ndarray, goal: np.ndarray, hover_z: float) -> np.ndarray:
+    """One closed-loop action pushing ``cube`` towards ``goal`` (xy) with a closed gripper.
+
+    Stateless: a function of where the TCP is relative to the cube, so it recovers from any state. Out
+    of contact position it rises to ``hover_z``, travels behind the cube (seen from the goal), descends
+    and pushes, steering out the TCP's lateral offset; at the goal it backs off upwards.
+    """
+    d = goal[:2] - cube[:2]
+    dist = float(np.linalg.norm(d))
+    if dist < 0.015:  # done: back off upwards
+        return np.r_[_move(tcp, [tcp[0], tcp[1], hover_z]), -1.0]
+    u = d / dist
+    n = np.array([-u[1], u[0]])
+    rel = tcp[:2] - cube[:2]
+    along, lat = float(rel @ u), float(rel @ n)
+    if -0.065 < along < -0.01 and abs(lat) < 0.02 and tcp[2] < 0.045:  # in contact position: push
+        speed = float(np.clip(GAIN * dist, 0.15, 0.5))
+        vxy = speed * u - GAIN * lat * n
+        vz = GAIN * (PUSH_Z - tcp[2])
+        return np.r_[vxy, vz, -1.0]
+    behind = cube[:2] - PUSH_BACKOFF * u
+    dxy = np.linalg.norm(behind - tcp[:2])
+    low = tcp[2] < hover_z - 0.02
+    if dxy > (0.02 if low else 0.008):
+        if low:
+            return np.r_[_move(tcp, [tcp[0], tcp[1], hover_z]), -1.0]
+        return np.r_[_move(tcp, [behind[0], behind[1], hover_z]), -1.0]
+    return np.r_[_move(tcp, [behind[0], behind[1], PUSH_Z]), -1.0]

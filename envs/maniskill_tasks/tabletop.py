@@ -26,7 +26,7 @@ from mani_skill.utils.structs import Pose  # noqa: E402
 
 from envs.errors import InstructionError, InvalidOptionError  # noqa: E402
 from envs.maniskill_tasks.table_scene import (GAIN, _TableTask, _check_cpu_single, _disc_builder, _move,  # noqa: E402
-                                              _p, _raw_pose, _rot, _yaw_quat)
+                                              _p, _raw_pose, _rot, _yaw_quat, push_step)
 from envs.suite import Suite, Task, check_layout_rho  # noqa: E402
 
 CUBE_HALF = 0.02
@@ -302,8 +302,6 @@ def _check_task_id(task_id: Any) -> int:
 HOVER_Z = 0.10  # TCP height for travelling over cubes (cube tops are at 0.04)
 CARRY_Z = 0.13  # TCP height while carrying a cube (its bottom then clears the others)
 LIFT_Z = 0.16  # TCP target height of the pick family
-PUSH_Z = 0.018  # TCP height while pushing
-PUSH_BACKOFF = 0.05  # TCP starts a push this far behind the cube centre
 HELD_WIDTH = 0.0415  # finger opening (m) below which a cube between the fingers counts as held
 OPEN_WIDTH = 0.07
 
@@ -430,27 +428,7 @@ class TabletopExpert:
         tcp, cube, goal = s["tcp"], s["cubes"][ci], s["goals"][gi]
         if held == ci:  # holding the cube to push: put it down (on a free spot nearest the goal)
             return self._put_down(s, ci, goal[:2])
-        d = goal[:2] - cube[:2]
-        dist = float(np.linalg.norm(d))
-        if dist < 0.015:  # done: back off upwards
-            return np.r_[_move(tcp, [tcp[0], tcp[1], HOVER_Z]), -1.0]
-        u = d / dist
-        n = np.array([-u[1], u[0]])
-        rel = tcp[:2] - cube[:2]
-        along, lat = float(rel @ u), float(rel @ n)
-        if -0.065 < along < -0.01 and abs(lat) < 0.02 and tcp[2] < 0.045:  # in contact position: push
-            speed = float(np.clip(GAIN * dist, 0.15, 0.5))
-            vxy = speed * u - GAIN * lat * n
-            vz = GAIN * (PUSH_Z - tcp[2])
-            return np.r_[vxy, vz, -1.0]
-        behind = cube[:2] - PUSH_BACKOFF * u
-        dxy = np.linalg.norm(behind - tcp[:2])
-        low = tcp[2] < HOVER_Z - 0.02
-        if dxy > (0.02 if low else 0.008):
-            if low:
-                return np.r_[_move(tcp, [tcp[0], tcp[1], HOVER_Z]), -1.0]
-            return np.r_[_move(tcp, [behind[0], behind[1], HOVER_Z]), -1.0]
-        return np.r_[_move(tcp, [behind[0], behind[1], PUSH_Z]), -1.0]
+        return push_step(tcp, cube, goal, HOVER_Z)
 
     def _stack(self, s: dict, ci: int, bi: int, held: int | None) -> np.ndarray:
         tcp, cube, base = s["tcp"], s["cubes"][ci], s["cubes"][bi]
