@@ -179,7 +179,8 @@ class AutoregressiveVLA(VLAModel):
         rescales for the softmax."""
         tau = self.score_tau if tau is None else tau
         B, K = len(candidates), len(candidates[0])
-        flat = _expand({k: v for k, v in batch.items() if k in ("state", "images", "action", "action_pad")}, K)
+        keys = ("state", "images", "image_maps", "action", "action_pad")
+        flat = _expand({k: v for k, v in batch.items() if k in keys}, K)
         flat["instruction"] = [l for cands in candidates for l in cands]
         scores = self.log_likelihood(flat).view(B, K) / tau
         if detach_negatives:

@@ -125,7 +125,7 @@ class FlowMatchingVLA(VLAModel):
         """(B, K) energies of the candidates under the shared draws t (B, M), x0 (B, M, H, A)."""
         B, M, H, A = x0.shape
         K = len(candidates[0])
-        rep = {k: v for k, v in batch.items() if k in ("state", "images")}
+        rep = {k: v for k, v in batch.items() if k in ("state", "images", "image_maps")}
         flat = _expand(rep, K * M)
         flat["instruction"] = [l for cands in candidates for l in cands for _ in range(M)]
         prefix, pad = self.prefix(flat)

@@ -227,10 +227,12 @@ class VLAModel(nn.Module):
             lmask = torch.where(drop[:, None], torch.arange(lmask.shape[1], device=dev)[None] > 0, lmask)
         toks, masks = [ltok], [lmask]
         if self.vision is not None:
-            images = batch.get("images")
-            if images is None:
+            images, maps = batch.get("images"), batch.get("image_maps")
+            if images is None and maps is None:
                 raise PolicyMismatchError(f"policy needs cameras {list(self.config.cameras)}, batch has no images")
-            itok = self.vision(self._image_tensors(images))
+            # image_maps: the frozen trunk's maps of these frames, cached before training (train/feature_cache.py)
+            itok = (self.vision(self._image_tensors(images)) if maps is None
+                    else self.vision.tokens_from_maps(self._image_tensors(maps)))
             if self.aux_head is not None and self.training and torch.is_grad_enabled():
                 target = self.normalizer.state(state)[:, self.state_hidden_idx]
                 self._aux_loss = ((self.aux_head(itok.flatten(1)) - target) ** 2).mean()

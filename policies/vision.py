@@ -163,25 +163,46 @@ class ImageEncoder(nn.Module):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, 3, h, w) in [-1, 1] -> tokens (B, n_tok, d)."""
+        return self.head(self.trunk_map(x))
+
+    def trunk_map(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, 3, h, w) in [-1, 1] -> the trunk's feature map (B, C, h', w'), without gradient when frozen."""
         if self.frozen:
             with torch.no_grad():
-                f = self.trunk(x)
-        else:
-            f = self.trunk(x)
+                return self.trunk(x)
+        return self.trunk(x)
+
+    def head(self, f: torch.Tensor) -> torch.Tensor:
+        """The trainable part after the trunk: feature map (B, C, h', w') -> tokens (B, n_tok, d). One
+        path for live maps and for maps cached once per frame (train/feature_cache.py), so both give
+        the same tokens."""
+        f = f.to(self.pos_emb.dtype)  # a cached map is float16
         if self.pool == "grid":
             return self.net(f).flatten(2).transpose(1, 2)
         z = torch.cat([self.keypoints(f).flatten(1), f.mean((2, 3))], 1)
         return self.net(z).view(-1, self.n_tok, self.d_model)
 
-    def forward(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
-        """images: {cam: (B, h, w, 3) uint8} -> tokens (B, n_cams * grid^2, d)."""
+    def camera_maps(self, images: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """images: {cam: (B, h, w, 3) uint8} -> {cam: trunk map (B, C, h', w')} (augmented in training)."""
+        missing = [cam for cam in self.cameras if cam not in images]
+        if missing:
+            raise KeyError(f"policy needs camera {missing[0]!r}, observation has {list(images)}")
+        return {cam: self.trunk_map(camera_input(images[cam], self.training, self.shift, self.jitter))
+                for cam in self.cameras}
+
+    def tokens_from_maps(self, maps: dict[str, torch.Tensor]) -> torch.Tensor:
+        """{cam: trunk map (B, C, h', w')} -> tokens (B, n_cams * grid^2, d): the head, position and
+        camera embeddings."""
         toks = []
         for i, cam in enumerate(self.cameras):
-            if cam not in images:
-                raise KeyError(f"policy needs camera {cam!r}, observation has {list(images)}")
-            f = self.features(camera_input(images[cam], self.training, self.shift, self.jitter))  # (B, n_tok, d)
-            toks.append(f + self.pos_emb + self.cam_emb[i])
+            if cam not in maps:
+                raise KeyError(f"policy needs camera {cam!r}, the feature maps have {list(maps)}")
+            toks.append(self.head(maps[cam]) + self.pos_emb + self.cam_emb[i])  # (B, n_tok, d)
         return torch.cat(toks, 1)
+
+    def forward(self, images: dict[str, torch.Tensor]) -> torch.Tensor:
+        """images: {cam: (B, h, w, 3) uint8} -> tokens (B, n_cams * grid^2, d)."""
+        return self.tokens_from_maps(self.camera_maps(images))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints from before the trunk/head split held the CNN as one Sequential "net"

@@ -42,6 +42,7 @@ from policies.model import NULL_INSTRUCTION, RESOLVER_KEY, check_vocabulary, fit
 from train.cig import CIGObjective, CIGOptions
 from train.data import ChunkData
 from train.evaluate import evaluate
+from train.feature_cache import FeatureCache, build_feature_cache, check_cache_options
 from train.logger import Logger
 
 
@@ -84,6 +85,10 @@ class TrainArgs:
     """colour-jitter augmentation strength (brightness/tint; 0: off)"""
     image_pool: ImagePool = _MODEL.image_pool
     """feature map -> tokens: grid (4x4 average pool) or keypoints (spatial softmax)"""
+    vision_cache: bool = False
+    """frozen pretrained trunk (--vision efficientnet_lite0 --vision-frozen, --image-shift 0 --image-jitter 0):
+    run it once per frame before training and train on its cached maps (float16, in memory; the checkpoint
+    is the same, inference runs the trunk on live images; train/feature_cache.py)"""
     fusion: Literal["late", "early"] = _MODEL.fusion
     """late: state and instruction meet only in attention; early: the state encoder also reads the
     instruction (see PolicyConfig.fusion)"""
@@ -379,6 +384,9 @@ def _check_args(args: TrainArgs) -> None:
             raise InvalidOptionError(f"{flag} must be >= 1, got {value}")
     if not 1 <= args.horizon <= MAX_HORIZON:
         raise InvalidOptionError(f"--horizon must be in [1, {MAX_HORIZON}], got {args.horizon}")
+    if args.vision_cache and args.init_from is None:  # --from: checked on the checkpoint's config once loaded
+        check_cache_options(args.vision, args.vision_frozen, args.image_shift, args.image_jitter, args.cameras,
+                            bool(args.estimate_state), args.policy)
     out = Path(args.out)
     p = out
     while not p.exists() and p != p.parent:
@@ -389,9 +397,10 @@ def _check_args(args: TrainArgs) -> None:
 
 
 def _draw_batch(data: ChunkData, args: TrainArgs, gen: torch.Generator, rank: int, world: int,
-                instruction_dropout: float) -> dict[str, Any]:
+                instruction_dropout: float, cache: FeatureCache | None = None) -> dict[str, Any]:
     """This rank's slice of one global batch: every rank draws the randomness of the whole batch
-    from the same generator (indices, flow times, noise, instruction drops, in that order)."""
+    from the same generator (indices, flow times, noise, instruction drops, in that order); with a
+    ``cache``, the frames' cached trunk maps in place of their images."""
     per = args.batch_size // world
     g_idx = torch.randint(len(data), (args.batch_size,), generator=gen).numpy()
     g_t = torch.rand(args.batch_size, generator=gen)
@@ -400,7 +409,7 @@ def _draw_batch(data: ChunkData, args: TrainArgs, gen: torch.Generator, rank: in
     sl = slice(rank * per, (rank + 1) * per)
     batch = data.batch(g_idx[sl])
     batch.update(flow_t=g_t[sl], flow_noise=g_noise[sl], drop_lang=g_drop[sl])
-    return batch
+    return batch if cache is None else cache.attach(batch)
 
 
 def _diverged(loss: torch.Tensor, step: int, batch: dict[str, Any], data: ChunkData, args: TrainArgs,
@@ -448,6 +457,7 @@ def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, 
     policy = _build_policy(args, data)
     cig = CIGObjective(policy, data, args.cig, seed=args.seed) if args.cig.weight > 0 else None
     policy.to(device)
+    cache = build_feature_cache(policy, data, device, args.progress and rank == 0) if args.vision_cache else None
     ema = copy.deepcopy(policy).eval() if args.ema > 0 else None
     if ema is not None:
         for p in ema.parameters():
@@ -480,10 +490,10 @@ def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, 
                       "other batches than an uninterrupted one would")
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.policy}", disable=not (args.progress and rank == 0))
     t_start, samples = time.time(), 0
-    summary: dict[str, Any] = {}
+    summary: dict[str, Any] = {"vision_cache": cache.stats()} if cache is not None else {}
     policy.train()
     while step < args.steps:
-        batch = _draw_batch(data, args, gen, rank, world, policy.config.instruction_dropout)
+        batch = _draw_batch(data, args, gen, rank, world, policy.config.instruction_dropout, cache)
         for group in opt.param_groups:
             group["lr"] = _lr(step, args)
         aux = None
