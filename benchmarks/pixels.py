@@ -5,8 +5,8 @@ workspace (``workspace_camera``) and a wrist camera (``hand_camera``), 96 px; ``
 (robosuite, 6 instructions, random layouts) by robosuite's front camera (``agentview``) and the wrist
 camera (``robot0_eye_in_hand``), 96 px, 600 + 600 demos; ``--suite libero_goal`` (10 instructions) by
 LIBERO's ``agentview`` and wrist camera, 96 px, 500 + 300 demos from fresh placements with DART noise,
-evaluated from LIBERO's own init states of each task; ``--suite pushcube`` (configured, not yet run)
-by ManiSkill's own ``base_camera`` (``SUITES``). Methods share the demos
+evaluated from LIBERO's own init states of each task; ``--suite pushcube`` by ManiSkill's own ``base_camera``
+and a wrist camera, 400 + 400 demos per seed pair from a closed-loop scripted expert (``SUITES``). Methods share the demos
 and the evaluation seeds; each is a policy plus, where it sees, a perception head
 (``--estimate-state``: object positions estimated from the images and the proprioception; the
 simulator's value supervises training only). Control rows read the object state and say so.
@@ -50,6 +50,8 @@ import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
 EVAL_SEED = 200_000
+PROTOCOL_SEED = 250_000
+"""the grounding protocols' first seed (P3 states from +1000, P4 cases from +2000)"""
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,14 @@ SUITES: dict[str, Suite] = {
     "tabletop": Suite("maniskill/TabletopSuite-v1", ("--suite", "tabletop", "--layout", "random"),
                       ("workspace_camera", "hand_camera"), ("workspace_camera",), ("*vel", "*_cube_pose", "*_goal_pos"),
                       ("*_cube_pose[0:3]", "*_goal_pos[0:2]"), "multitask", (0, 20000), (40000, 60000), 600),
-    # ManiSkill's own task and camera: one view from the robot's side, the cube a few pixels wide at 96 px
-    "pushcube": Suite("maniskill/PushCube-v1", ("--env", "maniskill/PushCube-v1"), ("base_camera",), ("base_camera",),
+    # ManiSkill's own task and front camera (the cube 2-3 px wide at 96 px), plus a wrist camera (ManiSkill's
+    # panda_wristcam), as a real cell would add. Demos from the closed-loop scripted expert with DART noise.
+    "pushcube": Suite("maniskill/PushCube-v1", ("--env", "maniskill/PushCube-v1", "--control-mode", "pd_ee_delta_pos",
+                                                "--robot", "panda_wristcam", "--dart-noise", "0.1"),
+                      ("base_camera", "hand_camera"), ("base_camera",),
                       ("*vel", "extra/goal_pos", "extra/obj_pose"), ("extra/obj_pose[0:3]", "extra/goal_pos[0:2]"),
-                      "chunked", (0, 5000), (10000, 15000), 150, steps=6000),
+                      "multitask", (0, 20000), (40000, 60000), 400, steps=12000,
+                      env_options=(("control_mode", "pd_ee_delta_pos"), ("robot_uids", "panda_wristcam"))),
     # robosuite's own front camera frames the table; the wrist camera sees the row of objects from above.
     # A cube's yaw (+-30 deg) sets the grasp, so its heading (quaternion z, w) is estimated too; the can
     # is round, and the plate and bin stand in fixed places, so the policy does not read them.
@@ -133,6 +139,15 @@ class Method:
     """reuse that method's policy (an ablation of the head alone)"""
     noise_from: str | None = None
     """train the policy with noise per coordinate equal to that method's head's held-out error"""
+    policy_flags: tuple[str, ...] = ()
+    """more `groundflow train` flags of the policy (a grounding method, its steps)"""
+    end_to_end: tuple[str, ...] | None = None
+    """no head: the policy reads the images itself, trained on the head's demos (head_data) with these
+    extra flags (the encoder, its augmentation, batch and steps)"""
+
+    @property
+    def has_head(self) -> bool:
+        return self.estimate_noise is not None and self.end_to_end is None
 
 
 METHODS: dict[str, Method] = {
@@ -155,16 +170,35 @@ METHODS: dict[str, Method] = {
                                 "8000 steps)", estimate_noise=0.0, head_steps=8000, policy_from="recipe"),
     "state": Method("control: the multitask recipe reading the simulator's object state (not deployable)",
                     estimate_noise=None),
+    # grounding on the pixel policy (tabletop): the recipe's policy trained otherwise, the recipe's head in front
+    "bc_2x": Method("BC at the compute of joint CIG: the recipe's policy trained twice the steps (48k), the head of "
+                    "`head_dr`", estimate_noise=0.0, head_from="head_dr", policy_flags=("--steps", "48000")),
+    "cig_joint": Method("joint CIG (bounded, lambda 1, 3 negatives, 2 draws, on 64 samples of each batch) from "
+                        "scratch, the recipe's steps, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
+                        policy_flags=("--cig.weight", "1", "--cig.variant", "bounded", "--cig.negatives", "3",
+                                      "--cig.draws", "2", "--cig.batch", "64")),
+    "cnn_e2e": Method("end to end: the policy reads both cameras through a CNN trained from scratch (spatial-softmax "
+                      "keypoints, 4 px random shift, colour jitter 0.3), on clean + randomized demos; 8000 steps of 64",
+                      head_data="clean+dr", end_to_end=("--vision", "cnn", "--image-pool", "keypoints",
+                                                        "--image-shift", "4", "--image-jitter", "0.3",
+                                                        "--batch-size", "64", "--steps", "8000")),
+    "lite0_cached": Method("end to end on frozen pretrained features: EfficientNet-Lite0 (ImageNet) on both cameras, "
+                           "its maps cached once per frame (--vision-cache; no pixel augmentation), the recipe's "
+                           "policy and steps, on clean + randomized demos", head_data="clean+dr",
+                           end_to_end=("--vision", "efficientnet_lite0", "--vision-frozen", "--vision-cache",
+                                       "--image-shift", "0", "--image-jitter", "0")),
 }
 
 
 @dataclass
 class Args:
-    part: Literal["collect", "train", "eval", "latency", "deploy", "merge"] = "merge"
+    part: Literal["collect", "train", "eval", "protocols", "latency", "deploy", "merge"] = "merge"
     suite: Literal["tabletop", "pushcube", "kitchen", "libero_goal"] = "tabletop"
     methods: tuple[str, ...] = ("head",)
     conditions: tuple[str, ...] = ("clean", "camera", "lighting")
     episodes: int = 120
+    protocol_episodes: int = 48
+    """protocols part: P4 switch cases, and P3 initial states x 12 instructions"""
     server_episodes: int = 24
     """deploy part: episodes through groundflow serve (the suite's instructions in turn)"""
     encodings: tuple[str, ...] = ("raw", "jpeg")
@@ -221,7 +255,7 @@ def _policy_dir(a: Args, name: str) -> Path:
 
 def _final_dir(a: Args, name: str) -> Path:
     """The checkpoint the method is evaluated with."""
-    return a.runs / a.suite / name / ("policy" if METHODS[name].estimate_noise is None else "final") / "ckpt"
+    return a.runs / a.suite / name / ("final" if METHODS[name].has_head else "policy") / "ckpt"
 
 
 def train(a: Args) -> None:
@@ -229,19 +263,26 @@ def train(a: Args) -> None:
     for name in a.methods:
         m = METHODS[name]
         pol = _policy_dir(a, name)
-        if not (pol / "ckpt").exists():
-            flags = ["train", "--recipe", su.recipe, "--data", *map(str, _data(a, "clean")), "--out", str(pol),
+        if not (pol / "summary.json").exists():  # written when a run ends; a killed one resumes
+            data = _data(a, "clean") + (_data(a, "dr") if m.end_to_end and m.head_data == "clean+dr" else [])
+            flags = ["train", "--recipe", su.recipe, "--data", *map(str, data), "--out", str(pol),
                      "--seed", str(a.seed), "--no-progress", "--wandb", "disabled"]
-            flags += ["--steps", str(su.steps)] if su.steps else []
-            if m.estimate_noise is not None:  # a control reads the state the recipe reads
+            flags += ["--steps", str(su.steps)] if su.steps and "--steps" not in (m.end_to_end or ()) else []
+            if m.end_to_end is not None:
+                flags += ["--cameras", *su.cameras, "--image-size", str(su.image_size), "--ignore-state", *su.hide,
+                          *m.end_to_end]
+            elif m.estimate_noise is not None:  # a control reads the state the recipe reads
                 flags += ["--cameras", *su.cameras, "--image-size", str(su.image_size), "--ignore-state", *su.hide,
                           "--estimate-state", *su.estimate, "--estimate-noise", str(m.estimate_noise)]
                 if m.noise_from:
                     flags += ["--estimate-noise-from", str(_final_dir(a, m.noise_from))]
+            flags += list(m.policy_flags) + (["--resume"] if (pol / "train_state.pt").exists() else [])
             _gf(*flags, log=pol.with_suffix(".log"))
-        if m.estimate_noise is None:
+        if not m.has_head:
             continue
         final = _final_dir(a, name).parent
+        if (final / "summary.json").exists():
+            continue
         head = ["train", "estimator", "--from", str(pol / "ckpt"), "--out", str(final), "--seed", str(a.seed),
                 "--no-progress"]
         if m.head_from:
@@ -280,6 +321,22 @@ def evaluate_part(a: Args) -> None:
             tag = "" if a.eval_seed == EVAL_SEED else f"_recheck{a.eval_seed}"
             _piece(a, name + tag, cond).write_text(json.dumps(r, indent=2))
             print(f"{name} {cond}: {r['success_rate']:.3f} {r['ci95']}", flush=True)
+
+
+def protocols_part(a: Args) -> None:
+    """The grounding protocols on pixel checkpoints (train/grounding_eval.py, random layouts): P3 swap (each
+    initial state under every instruction) and P4 mid-episode switch; P1 is the clean evaluation above."""
+    from train.grounding_eval import evaluate_protocols
+    import policies
+    PARTS.mkdir(parents=True, exist_ok=True)
+    su = SUITES[a.suite]
+    for name in a.methods:
+        policy = policies.load(_final_dir(a, name), to_act=True)
+        r = evaluate_protocols(policy, a.suite, episodes=a.protocol_episodes, swap_seeds=a.protocol_episodes // 12,
+                               seed=PROTOCOL_SEED + 10_000 * a.seed, protocols=("p3", "p4"),
+                               env_options={"image_size": su.image_size}, progress=True)
+        _piece(a, name, "protocols").write_text(json.dumps(r, indent=2, default=str))
+        print(name, {k: round(v["rate"], 3) for k, v in r["summary"].items()}, flush=True)
 
 
 def latency(a: Args) -> None:
@@ -366,7 +423,7 @@ def _minutes(a: Args, name: str) -> float | None:
         return None
     total += json.loads(pol.read_text())["seconds"]
     head = _final_dir(a, name).parent / "summary.json"
-    if m.estimate_noise is not None and head.exists():
+    if m.has_head and head.exists():
         total += json.loads(head.read_text())["seconds"]
     if m.head_from:  # the reused head's training counts too
         total += json.loads((_final_dir(a, m.head_from).parent / "summary.json").read_text())["seconds"]
@@ -411,6 +468,25 @@ def _suite_rows(a: Args) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]
     return rows, heads, rechecks
 
 
+def _grounding(a: Args) -> dict[str, Any]:
+    """P1 (the clean evaluation), P3 and P4 per tabletop method that ran the protocols part."""
+    cig: dict[str, Any] = {}
+    for name in METHODS:
+        prot, clean = _piece(a, name, "protocols"), _piece(a, name, "clean")
+        if not prot.exists():
+            continue
+        summary = json.loads(prot.read_text())["summary"]
+        rows = {"P3": summary["p3_swap"], "P4": summary["p4_switch"]}
+        if clean.exists():
+            c = json.loads(clean.read_text())
+            rows["P1"] = {"rate": c["success_rate"], "ci95": c["ci95"], "n": c["episodes"]}
+        for proto, r in rows.items():
+            cig.setdefault(proto, {})[name] = {"success": r["rate"], "ci95": r["ci95"], "episodes": r["n"], "seeds": 1}
+        cig.setdefault("P3_did_other_task", {})[name] = summary["p3_did_other_task"]
+        cig.setdefault("P4_old_task_completed", {})[name] = summary["p4_old_task_completed"]
+    return cig
+
+
 def merge(a: Args) -> None:
     out: dict[str, Any] = {"suites": {}, "recommended": {}, "perception_heads": {}, "rechecks": {}, "cig": {},
                            "eval_seed": EVAL_SEED, "machine": machine(), "setup": {}}
@@ -429,6 +505,7 @@ def merge(a: Args) -> None:
                                "demos": len(su.clean_seeds) * su.demos_per_seed,
                                "camera_shift": f"{', '.join(su.fixed)} moved 5 cm, turned 5 deg",
                                "lighting": "lights x0.67-1.5 with a tint (magnitude 0.5)"}
+    out["cig"] = _grounding(Args(**{**a.__dict__, "suite": "tabletop"}))
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "pixels.json").write_text(json.dumps(out, indent=2))
     (RESULTS / "pixels.md").write_text(_table(out))
@@ -461,6 +538,16 @@ def _table(out: dict[str, Any]) -> str:
         if re_rows:
             text.append(f"### {suite}: re-checks on other episodes (condition@first seed; camera moves and lights "
                         "drawn anew)\n\n" + md_table(["method", "condition", "success [95% CI]", "episodes"], re_rows))
+    if out.get("cig"):
+        protos = [p for p in ("P1", "P3", "P4") if p in out["cig"]]
+        methods = sorted({m for p in protos for m in out["cig"][p]})
+        rows = [[m, *[_fmt(out["cig"][p][m]["success"], out["cig"][p][m]["ci95"]) if m in out["cig"][p] else "-"
+                      for p in protos],
+                 _fmt(out["cig"]["P3_did_other_task"][m]["rate"]), _fmt(out["cig"]["P4_old_task_completed"][m]["rate"])]
+                for m in methods]
+        text.append("## Grounding protocols on the tabletop pixel policy (one training seed; P1 the clean evaluation, "
+                    "P3 swap, P4 mid-episode switch)\n\n" + md_table(["method", *protos, "P3: did another task",
+                                                                     "P4: old task completed"], rows))
     return "\n".join(text)
 
 
@@ -468,8 +555,8 @@ def main(a: Args) -> None:
     unknown = [m for m in a.methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
-    {"collect": collect, "train": train, "eval": evaluate_part, "latency": latency, "deploy": deploy_part,
-     "merge": merge}[a.part](a)
+    {"collect": collect, "train": train, "eval": evaluate_part, "protocols": protocols_part, "latency": latency,
+     "deploy": deploy_part, "merge": merge}[a.part](a)
 
 
 if __name__ == "__main__":

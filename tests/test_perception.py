@@ -131,6 +131,20 @@ def test_save_load_keeps_the_head(tmp_path):
     assert meta["config"]["estimated_state"] == EST
 
 
+def test_a_head_copied_to_a_policy_trained_on_other_data_estimates_the_same(tmp_path):
+    """`train estimator --estimator-from`: a policy retrained on other demos (other state statistics) gets
+    the head with its units converted, so its estimate in state units is the one of the source."""
+    from train.perception import _copy_head
+    source, rng = _pixel_policy(), np.random.default_rng(3)
+    target = _pixel_policy()
+    target.fit_normalizer(rng.normal(0.5, 2.0, size=(64, 52)), rng.uniform(-1, 1, size=(64, 4)), ["push the red cube"])
+    batch = {"state": torch.as_tensor(rng.normal(size=(5, 52)), dtype=torch.float32),
+             "images": {c: rng.integers(0, 256, (5, 32, 32, 3), dtype=np.uint8) for c in ("cam", "wrist")}}
+    assert not np.allclose(target.estimate(batch), source.estimate(batch), atol=1e-2)
+    _copy_head(target, source, tmp_path)
+    np.testing.assert_allclose(target.estimate(batch), source.estimate(batch), rtol=1e-4, atol=1e-4)
+
+
 def test_train_estimator_refuses_a_checkpoint_without_head(tmp_path):
     from envs.errors import InvalidOptionError
     from train.perception import EstimatorArgs, train_estimator

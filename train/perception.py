@@ -45,8 +45,9 @@ class EstimatorArgs:
     out: Path = Path("runs/policy_estimator")
     """where the checkpoint with the trained head goes (a directory, as `train` writes: OUT/ckpt)"""
     estimator_from: Path | None = None
-    """start from the perception head of this checkpoint (same cameras and estimated entries), e.g. to
-    keep a trained head for a retrained policy (--steps 0: copy it and measure its error)"""
+    """start from the perception head of this checkpoint (same cameras, estimated entries and
+    proprioception), e.g. to keep a trained head for a policy retrained on other demos (its units are
+    converted; --steps 0: copy it and measure its error)"""
     progress: bool = True
 
     def check(self) -> None:
@@ -75,19 +76,33 @@ def heldout_error(policy: Any, data: ChunkData, idx: np.ndarray, batch: int = 25
 
 def _copy_head(policy: Any, source: Any, where: Path) -> None:
     """``source``'s perception head into ``policy``; both must estimate the same entries from the same
-    cameras, and standardize them alike (the head works in standardized units)."""
+    cameras and proprioception. The head works in standardized units (proprioception in, estimate out);
+    where the two policies were trained on data with other statistics, the change of units is folded
+    into the head's first layer (its proprioception columns) and its last, so the copied head gives
+    the same estimate in state units (a head stays usable for a policy retrained on other demos)."""
     a, b = policy.config, source.config
     if source.estimator is None or (a.cameras, a.image_size, a.estimated_state, a.estimator_channels,
                                     a.estimator_keypoints) != (b.cameras, b.image_size, b.estimated_state,
-                                                               b.estimator_channels, b.estimator_keypoints):
+                                                               b.estimator_channels, b.estimator_keypoints) \
+            or not torch.equal(policy.state_keep, source.state_keep):
         raise InvalidOptionError(f"--estimator-from {where}: its perception head does not fit this policy (cameras, "
-                                 "image size, estimated entries or head size differ)")
-    same = all(torch.equal(getattr(policy.normalizer, k), getattr(source.normalizer, k))
-               for k in ("state_mean", "state_std"))
-    if not same:
-        raise InvalidOptionError(f"--estimator-from {where}: trained on data with other state statistics "
-                                 "(the head's units would differ)")
+                                 "image size, estimated entries, proprioception read or head size differ)")
     policy.estimator.load_state_dict(source.estimator.state_dict())
+    m_s, s_s = source.normalizer.state_mean.double(), source.normalizer.state_std.double()
+    m_t, s_t = policy.normalizer.state_mean.double(), policy.normalizer.state_std.double()
+    if torch.equal(m_s, m_t) and torch.equal(s_s, s_t):
+        return
+    keep, est = policy.state_keep, policy.estimated_idx
+    first, last = policy.estimator.head[0], policy.estimator.head[-1]
+    with torch.no_grad():  # proprio: z_src = z_t * s_t / s_s + (m_t - m_s) / s_s, per read entry
+        w = first.weight.double()
+        cols = w[:, -len(keep):]
+        first.bias.copy_((first.bias.double() + cols @ ((m_t - m_s) / s_s)[keep]).to(first.bias.dtype))
+        w[:, -len(keep):] = cols * (s_t / s_s)[keep][None, :]
+        first.weight.copy_(w.to(first.weight.dtype))
+        ratio = (s_s / s_t)[est]  # estimate: z_t = z_src * s_s / s_t + (m_s - m_t) / s_t, per estimated entry
+        last.weight.copy_((last.weight.double() * ratio[:, None]).to(last.weight.dtype))
+        last.bias.copy_((last.bias.double() * ratio + ((m_s - m_t) / s_t)[est]).to(last.bias.dtype))
 
 
 def train_estimator(args: EstimatorArgs, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
