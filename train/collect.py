@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+import torch
 import tyro
 from tqdm import tqdm
 
@@ -54,6 +55,13 @@ class CollectArgs:
     episode drawing up to that magnitude: e.g. camera=0.08 (metres, and 100x that in degrees of turn;
     'camera=0.08:CAM1,CAM2' moves only those cameras, e.g. the fixed one and not the wrist's)
     lighting=0.6; the images change, the expert and the recorded state do not"""
+    student: Path | None = None
+    """DAgger (Ross et al. 2011): a checkpoint that acts while the expert labels. Each step executes the
+    student's action (the expert's with probability --student-beta) and records the expert's, so the
+    data covers the states the student reaches; every episode is written (its failures are the point).
+    Needs a closed-loop expert and the student's cameras (--cameras)"""
+    student_beta: float = 0.0
+    """DAgger: probability per step of executing the expert's action instead of the student's"""
     keep_failures: bool = False
     """also write episodes where the expert failed"""
     max_attempts: int | None = None
@@ -114,12 +122,15 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
     tasks = [suite.task(i) for i in args.instructions] if (suite and args.instructions) else (
         list(suite.tasks) if suite else [None])
     expert = env.make_expert(noise=args.noise, seed=args.seed)
+    student = _student(args, env, expert)
+    student_rng = np.random.default_rng(args.seed + 104_729)
     meta = {"source": "expert", "seed": args.seed, "noise": args.noise, "layout": args.layout,
             "layout_rho": options.get("layout_rho"),
             "env_options": {k: v for k, v in options.items() if isinstance(v, (int, float, str, bool))},
             "suite": suite.name if suite else None,
             "instructions": [t.instruction for t in tasks] if suite else [env.instruction],
-            "control_mode": getattr(env, "control_mode", None), "randomize": list(args.randomize)}
+            "control_mode": getattr(env, "control_mode", None), "randomize": list(args.randomize),
+            "student": str(args.student) if args.student else None, "student_beta": args.student_beta}
     if args.dart_noise < 0:
         raise InvalidOptionError(f"--dart-noise must be >= 0, got {args.dart_noise}")
     meta["dart_noise"] = args.dart_noise
@@ -139,12 +150,18 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
             attempts += 1
             obs, info = env.reset(seed=seed, options={"task_id": task.task_id} if task else None)
             expert.reset(env, obs)
+            if student is not None:
+                student.reset()
+                torch.manual_seed(seed)  # the student's sampling noise: the same episode on any machine state
             buf = EpisodeBuffer(obs["instruction"], env.task_id, seed)
             for _ in range(env.max_episode_steps):
                 sim = env.get_sim_state()
                 action = expert.act(obs)
-                executed = action if args.dart_noise == 0 else np.clip(
-                    action + dart_rng.normal(0, args.dart_noise, action.shape), low, high).astype(action.dtype)
+                if student is not None and student_rng.random() >= args.student_beta:
+                    executed = np.asarray(student.select_action(obs), dtype=action.dtype)
+                else:
+                    executed = action if args.dart_noise == 0 else np.clip(
+                        action + dart_rng.normal(0, args.dart_noise, action.shape), low, high).astype(action.dtype)
                 nobs, reward, term, trunc, info = env.step(executed)
                 buf.add(obs, action, reward, info["success"], sim)
                 obs = nobs
@@ -153,7 +170,7 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
             steps += len(buf)
             ep = buf.finish(obs, env.get_sim_state())
             successes += ep.succeeded
-            if ep.succeeded or args.keep_failures:
+            if ep.succeeded or args.keep_failures or student is not None:
                 writer.add(ep)
                 written += 1
                 layout = _episode_layout(env)
@@ -174,6 +191,24 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
               f"{successes}/{attempts})")
     return {"env_id": env_id, "episodes": written, "attempts": attempts, "expert_success_rate": successes / max(attempts, 1),
             "steps": steps, "seconds": dt, "steps_per_s": steps / max(dt, 1e-9), "out": str(args.out)}
+
+
+def _student(args: CollectArgs, env: Any, expert: Any) -> Any:
+    """The DAgger student of ``--student`` (None without one), checked against the env and the expert."""
+    if args.student is None:
+        return None
+    if not 0 <= args.student_beta < 1:
+        raise InvalidOptionError(f"--student-beta must be in [0, 1), got {args.student_beta}")
+    from envs.maniskill_experts import MotionPlanningExpert
+    if isinstance(expert, MotionPlanningExpert):
+        raise InvalidOptionError(f"--student: {env.env_id}'s expert replays a motion plan made at reset, so it cannot "
+                                 "label the states a student reaches; use a closed-loop expert (e.g. PushCube-v1 "
+                                 "with --control-mode pd_ee_delta_pos, the suites)")
+    import policies
+    from train.evaluate import check_compatible
+    student = policies.load(args.student, to_act=True)
+    check_compatible(student, env)
+    return student
 
 
 def _episode_layout(env: Any) -> str | None:
