@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED := 1
 # Small models on a 2-core machine shared with simulators: more intra-op threads only spin.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench lerobot-check clean
 
 setup:
 	bash scripts/setup_vulkan.sh
@@ -26,5 +26,19 @@ test-slow: setup
 bench: setup
 	$(PY) benchmarks/envs.py
 
+# LeRobotDataset interop checked against the lerobot package itself (#45). lerobot 0.4.4 pins torch<2.11,
+# so it gets its own venv (first build: pip downloads lerobot and a CUDA torch, several GB, ~4 min here).
+# Rewrites the fixture tests/data/lerobot_v30 with lerobot's writer, then checks both directions
+# (scripts/lerobot_check.py). lerobot decodes with torchcodec where the system's FFmpeg libraries are
+# installed (Debian: apt-get install libavcodec59 libavformat59 libavdevice59 libavfilter8), else PyAV.
+LEROBOT_VENV := .venv-lerobot
+$(LEROBOT_VENV)/.installed:
+	[ -x $(LEROBOT_VENV)/bin/python ] || python3 -m venv $(LEROBOT_VENV)
+	$(LEROBOT_VENV)/bin/python -m pip install -q --disable-pip-version-check lerobot==0.4.4
+	touch $@
+
+lerobot-check: setup $(LEROBOT_VENV)/.installed
+	$(LEROBOT_VENV)/bin/python scripts/lerobot_check.py
+
 clean:
-	rm -rf .venv .vulkan .assets runs
+	rm -rf .venv .venv-lerobot .vulkan .assets runs

@@ -2,6 +2,7 @@
 
     groundflow envs                          list env ids and suites
     groundflow collect --env ID ...          expert demonstrations -> dataset
+    groundflow export --format lerobot ...   datasets -> LeRobotDataset (train reads --data lerobot:DIR)
     groundflow train --recipe multitask ...  behaviour cloning (``--cig.weight`` adds joint CIG)
     groundflow train cig --from CKPT         CIG continuation stage
     groundflow eval --ckpt DIR ...           rollouts, success rate with 95% CI
@@ -43,6 +44,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "envs": Command("groundflow.cli:list_envs", "list env ids and suites"),
     "collect": Command("train.collect:collect_command", "expert demonstrations -> dataset (HDF5)"),
+    "export": Command("train.commands:export_command", "datasets -> LeRobotDataset (--format lerobot)"),
     "train": Command("train.commands:train_command", "behaviour cloning (flow, ar or mlp)"),
     "train cig": Command("train.commands:train_cig_command", "CIG continuation stage (--from CKPT)"),
     "train estimator": Command("train.perception:estimator_command",

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dataset import Dataset, DatasetError
+from dataset import DatasetError, open_dataset
 
 ABSURD = 1e6
 """|state| or |action| above this in training data is refused: real ones stay below ~1e3 (a flipped
@@ -36,7 +36,7 @@ class ChunkData:
         self.state_layout: list | None = None  # (name, size) slices, where the collecting env named them
         offset, e = 0, 0
         for path in paths:
-            with Dataset(path) as ds:
+            with open_dataset(path) as ds:  # HDF5, or lerobot:DIR (a LeRobotDataset)
                 missing = [c for c in self.cameras if c not in ds.cameras]
                 if missing:
                     raise DatasetError(f"{path} has cameras {list(ds.cameras)}, the policy needs {missing}")
