@@ -50,6 +50,8 @@ import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
 EVAL_SEED = 200_000
+DAGGER_SEEDS = (80_000, 90_000)
+"""DAgger episodes' first seeds, one collecting process each (the demos use 0-62000, evaluation 200000 on)"""
 PROTOCOL_SEED = 250_000
 """the grounding protocols' first seed (P3 states from +1000, P4 cases from +2000)"""
 
@@ -139,6 +141,9 @@ class Method:
     """reuse that method's policy (an ablation of the head alone)"""
     noise_from: str | None = None
     """train the policy with noise per coordinate equal to that method's head's held-out error"""
+    dagger_from: str | None = None
+    """DAgger: the policy also trains on demos where that method's checkpoint acted and the expert labelled
+    the states it reached (collected by the collect part once that checkpoint exists)"""
     policy_flags: tuple[str, ...] = ()
     """more `groundflow train` flags of the policy (a grounding method, its steps)"""
     end_to_end: tuple[str, ...] | None = None
@@ -177,6 +182,13 @@ METHODS: dict[str, Method] = {
                         "scratch, the recipe's steps, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
                         policy_flags=("--cig.weight", "1", "--cig.variant", "bounded", "--cig.negatives", "3",
                                       "--cig.draws", "2", "--cig.batch", "64")),
+    "dagger": Method("DAgger: the recipe's policy retrained on its demos plus episodes where the recipe (head and "
+                     "policy) acted and the expert labelled the states it reached; the recipe's head (units converted)",
+                     estimate_noise=0.0, head_from="recipe", dagger_from="recipe"),
+    "head_dr_nonoise_dagger": Method("DAgger on the tabletop's recommended row: its policy retrained on the demos plus "
+                                     "240 episodes where `head_dr_nonoise` acted and the expert labelled the states it "
+                                     "reached; the head of `head_dr` (units converted)", estimate_noise=0.0,
+                                     head_from="head_dr", dagger_from="head_dr_nonoise"),
     "cnn_e2e": Method("end to end: the policy reads both cameras through a CNN trained from scratch (spatial-softmax "
                       "keypoints, 4 px random shift, colour jitter 0.3), on clean + randomized demos; 8000 steps of 64",
                       head_data="clean+dr", end_to_end=("--vision", "cnn", "--image-pool", "keypoints",
@@ -199,6 +211,8 @@ class Args:
     episodes: int = 120
     protocol_episodes: int = 48
     """protocols part: P4 switch cases, and P3 initial states x 12 instructions"""
+    dagger_episodes: int = 400
+    """collect part: DAgger episodes of a method with dagger_from (split over two processes)"""
     server_episodes: int = 24
     """deploy part: episodes through groundflow serve (the suite's instructions in turn)"""
     encodings: tuple[str, ...] = ("raw", "jpeg")
@@ -244,8 +258,24 @@ def collect(a: Args) -> None:
             print("$", " ".join(cmd[1:]), flush=True)
             procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
                                           env=ONE_THREAD))
+    for name in {METHODS[m].dagger_from for m in a.methods} - {None}:
+        student = _final_dir(a, name)
+        if not student.exists():
+            raise SystemExit(f"DAgger needs the student {name} trained first ({student})")
+        for seed, path in zip(DAGGER_SEEDS, _dagger_paths(a, name)):
+            if path.exists():
+                continue
+            cmd = [GROUNDFLOW, "collect", *su.collect, "--episodes", str(a.dagger_episodes // len(DAGGER_SEEDS)),
+                   "--cameras", *su.cameras, "--image-size", str(su.image_size), "--seed", str(seed), "--out", str(path),
+                   "--no-progress", "--student", str(student)]
+            print("$", " ".join(cmd[1:]), flush=True)
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, env=ONE_THREAD))
     if any(p.wait() for p in procs):
         raise SystemExit("a collection failed")
+
+
+def _dagger_paths(a: Args, student: str) -> list[Path]:
+    return [a.data / f"{a.suite}_dagger_{student}_s{seed}.h5" for seed in DAGGER_SEEDS]
 
 
 def _policy_dir(a: Args, name: str) -> Path:
@@ -265,6 +295,7 @@ def train(a: Args) -> None:
         pol = _policy_dir(a, name)
         if not (pol / "summary.json").exists():  # written when a run ends; a killed one resumes
             data = _data(a, "clean") + (_data(a, "dr") if m.end_to_end and m.head_data == "clean+dr" else [])
+            data += _dagger_paths(a, m.dagger_from) if m.dagger_from else []
             flags = ["train", "--recipe", su.recipe, "--data", *map(str, data), "--out", str(pol),
                      "--seed", str(a.seed), "--no-progress", "--wandb", "disabled"]
             flags += ["--steps", str(su.steps)] if su.steps and "--steps" not in (m.end_to_end or ()) else []
