@@ -15,11 +15,13 @@ Parts (each writes its pieces under benchmarks/results/pixels_parts/, ``merge`` 
 
 - ``collect``: the tabletop's demos (two processes, seeds 0 and 20000, 600 episodes each), and for ``_dr``
   methods 1200 more with the fixed camera moved (up to 8 cm and 8 degrees) and the lights changed
-  (up to x1.6 with a tint) per episode, seeds 40000 and 60000;
+  (up to x1.6 with a tint) per episode, seeds 40000 and 60000; for DAgger methods, episodes where
+  the student checkpoint acts and the expert labels (seeds 80000 and 90000);
 - ``train``: per method, the policy (the multitask recipe) then its perception head;
 - ``eval``: per method and condition (clean, camera: the fixed camera moved 5 cm and turned 5
   degrees, a fresh direction per episode; lighting: x0.67-1.5 with a tint), episodes from seed
   200000 (never in the demos), 95% Wilson intervals;
+- ``protocols``: the grounding protocols on a tabletop checkpoint (P3 swap, P4 mid-episode switch);
 - ``latency``: chunk latency on one CPU thread (observation in, chunk out: the head and the policy);
 - ``merge``: ``pixels.json`` and ``pixels.md``.
 
