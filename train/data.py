@@ -98,7 +98,8 @@ class ChunkData:
     def __len__(self) -> int:
         return len(self.state)
 
-    def batch(self, idx: np.ndarray) -> dict[str, Any]:
+    def batch(self, idx: np.ndarray, images: bool = True) -> dict[str, Any]:
+        """Samples ``idx``; ``images=False`` leaves the frames out (training on cached image features)."""
         idx = np.asarray(idx)
         H = self.horizon
         t = idx - self.start[idx]  # step within episode
@@ -109,7 +110,7 @@ class ChunkData:
             "state": self.state[idx], "action": self.action[src], "action_pad": pad,
             "instruction": list(self.instruction[idx]), "task_id": self.task_id[idx],
             "progress": self.progress[idx], "index": idx}
-        if self.cameras:
+        if self.cameras and images:
             out["images"] = {c: self.images[c][idx] for c in self.cameras}
         return out
 
