@@ -26,7 +26,7 @@ test-slow: setup
 bench: setup
 	$(PY) benchmarks/envs.py
 
-# LeRobotDataset interop checked against the lerobot package itself (#45). lerobot 0.4.4 pins torch<2.11,
+# LeRobotDataset interop checked against the lerobot package itself. lerobot 0.4.4 pins torch<2.11,
 # so it gets its own venv (first build: pip downloads lerobot and a CUDA torch, several GB, ~4 min here).
 # Rewrites the fixture tests/data/lerobot_v30 with lerobot's writer, then checks both directions
 # (scripts/lerobot_check.py). lerobot decodes with torchcodec where the system's FFmpeg libraries are

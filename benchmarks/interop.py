@@ -1,4 +1,4 @@
-"""LeRobotDataset interop (#45): is decoding video the bottleneck, and what does the round trip cost?
+"""LeRobotDataset interop: is decoding video the bottleneck, and what does the round trip cost?
 
     .venv/bin/python benchmarks/interop.py                       # synthetic frames, 128 and 224 px, ~1 min
     .venv/bin/python benchmarks/interop.py --data demos.h5       # the frames of a collected dataset
