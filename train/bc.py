@@ -407,7 +407,7 @@ def _draw_batch(data: ChunkData, args: TrainArgs, gen: torch.Generator, rank: in
     g_noise = torch.randn(args.batch_size, args.horizon, data.action_dim, generator=gen)
     g_drop = torch.rand(args.batch_size, generator=gen) < instruction_dropout
     sl = slice(rank * per, (rank + 1) * per)
-    batch = data.batch(g_idx[sl], images=cache is None)  # cached maps stand in for the frames
+    batch = data.batch(g_idx[sl]) if cache is None else data.batch(g_idx[sl], images=False)  # maps stand in
     batch.update(flow_t=g_t[sl], flow_noise=g_noise[sl], drop_lang=g_drop[sl])
     return batch if cache is None else cache.attach(batch)
 
