@@ -37,7 +37,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -280,14 +280,25 @@ def _dagger_paths(a: Args, student: str) -> list[Path]:
     return [a.data / f"{a.suite}_dagger_{student}_s{seed}.h5" for seed in DAGGER_SEEDS]
 
 
+def _seed_dir(a: Args, name: str) -> Path:
+    """A method's runs: seed 0 directly under its name, another training seed under ``seed<k>``."""
+    return a.runs / a.suite / name / (f"seed{a.seed}" if a.seed else "")
+
+
 def _policy_dir(a: Args, name: str) -> Path:
     m = METHODS[name]
-    return a.runs / a.suite / (m.policy_from or name) / "policy"
+    return _seed_dir(a, m.policy_from or name) / "policy"
 
 
 def _final_dir(a: Args, name: str) -> Path:
     """The checkpoint the method is evaluated with."""
-    return a.runs / a.suite / name / ("final" if METHODS[name].has_head else "policy") / "ckpt"
+    return _seed_dir(a, name) / ("final" if METHODS[name].has_head else "policy") / "ckpt"
+
+
+def _head_dir(a: Args, name: str) -> Path:
+    """The checkpoint whose perception head ``name`` reuses. Heads are trained once (training seed 0):
+    the training seeds of the grounding rows vary the policy, the part grounding is about."""
+    return _final_dir(replace(a, seed=0), METHODS[name].head_from)
 
 
 def train(a: Args) -> None:
@@ -319,7 +330,7 @@ def train(a: Args) -> None:
         head = ["train", "estimator", "--from", str(pol / "ckpt"), "--out", str(final), "--seed", str(a.seed),
                 "--no-progress"]
         if m.head_from:
-            head += ["--estimator-from", str(_final_dir(a, m.head_from)), "--steps", "0"]
+            head += ["--estimator-from", str(_head_dir(a, name)), "--steps", "0"]
         else:
             data = _data(a, "clean") + (_data(a, "dr") if m.head_data == "clean+dr" else [])
             head += ["--data", *map(str, data), "--steps", str(m.head_steps)]
@@ -327,7 +338,7 @@ def train(a: Args) -> None:
 
 
 def _piece(a: Args, name: str, what: str) -> Path:
-    return PARTS / f"{a.suite}_{name}_{what}.json"
+    return PARTS / f"{a.suite}_{name}{f'_seed{a.seed}' if a.seed else ''}_{what}.json"
 
 
 def evaluate_part(a: Args) -> None:
@@ -459,7 +470,7 @@ def _minutes(a: Args, name: str) -> float | None:
     if m.has_head and head.exists():
         total += json.loads(head.read_text())["seconds"]
     if m.head_from:  # the reused head's training counts too
-        total += json.loads((_final_dir(a, m.head_from).parent / "summary.json").read_text())["seconds"]
+        total += json.loads((_head_dir(a, name).parent / "summary.json").read_text())["seconds"]
     return total / 60
 
 
@@ -501,22 +512,44 @@ def _suite_rows(a: Args) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]
     return rows, heads, rechecks
 
 
+def _seeds(a: Args, name: str, what: str) -> dict[int, Path]:
+    """{training seed: piece} of a method's ``what`` piece, over every training seed that wrote one."""
+    found = {0: _piece(a, name, what)} if _piece(a, name, what).exists() else {}
+    for path in PARTS.glob(f"{a.suite}_{name}_seed*_{what}.json"):
+        tag = path.name[len(f"{a.suite}_{name}_seed"):-len(f"_{what}.json")]
+        if tag.isdigit():
+            found[int(tag)] = path
+    return dict(sorted(found.items()))
+
+
 def _grounding(a: Args) -> dict[str, Any]:
-    """P1 (the clean evaluation), P3 and P4 per tabletop method that ran the protocols part."""
-    cig: dict[str, Any] = {}
+    """P1 (the clean evaluation), P3 and P4 per tabletop method that ran the protocols part, over the
+    training seeds that ran it: the mean of the seeds' rates, a Wilson interval on the pooled episodes
+    (it ignores the spread between seeds; ``per_seed`` shows it)."""
+    from envs.metrics import wilson
+    per: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
     for name in METHODS:
-        prot, clean = _piece(a, name, "protocols"), _piece(a, name, "clean")
-        if not prot.exists():
-            continue
-        summary = json.loads(prot.read_text())["summary"]
-        rows = {"P3": summary["p3_swap"], "P4": summary["p4_switch"]}
-        if clean.exists():
-            c = json.loads(clean.read_text())
-            rows["P1"] = {"rate": c["success_rate"], "ci95": c["ci95"], "n": c["episodes"]}
-        for proto, r in rows.items():
-            cig.setdefault(proto, {})[name] = {"success": r["rate"], "ci95": r["ci95"], "episodes": r["n"], "seeds": 1}
-        cig.setdefault("P3_did_other_task", {})[name] = summary["p3_did_other_task"]
-        cig.setdefault("P4_old_task_completed", {})[name] = summary["p4_old_task_completed"]
+        prots, cleans = _seeds(a, name, "protocols"), _seeds(a, name, "clean")
+        for seed, prot in prots.items():
+            summary = json.loads(prot.read_text())["summary"]
+            rows = {"P3": summary["p3_swap"], "P4": summary["p4_switch"],
+                    "P3_did_other_task": summary["p3_did_other_task"],
+                    "P4_old_task_completed": summary["p4_old_task_completed"]}
+            if seed in cleans:
+                c = json.loads(cleans[seed].read_text())
+                rows["P1"] = {"rate": c["success_rate"], "ci95": c["ci95"], "n": c["episodes"]}
+            for proto, r in rows.items():
+                per.setdefault(proto, {}).setdefault(name, {})[seed] = r
+    cig: dict[str, Any] = {}
+    for proto, methods in per.items():
+        for name, seeds in methods.items():
+            k = sum(round(r["rate"] * r["n"]) for r in seeds.values())
+            n = sum(r["n"] for r in seeds.values())
+            mean = float(np.mean([r["rate"] for r in seeds.values()]))
+            key = "rate" if proto.endswith(("did_other_task", "completed")) else "success"
+            cig.setdefault(proto, {})[name] = {key: mean, "ci95": list(wilson(k, n)), "episodes": n,
+                                               "seeds": len(seeds),
+                                               "per_seed": {str(s): r["rate"] for s, r in seeds.items()}}
     return cig
 
 
@@ -578,9 +611,10 @@ def _table(out: dict[str, Any]) -> str:
                       for p in protos],
                  _fmt(out["cig"]["P3_did_other_task"][m]["rate"]), _fmt(out["cig"]["P4_old_task_completed"][m]["rate"])]
                 for m in methods]
-        text.append("## Grounding protocols on the tabletop pixel policy (one training seed; P1 the clean evaluation, "
-                    "P3 swap, P4 mid-episode switch)\n\n" + md_table(["method", *protos, "P3: did another task",
-                                                                     "P4: old task completed"], rows))
+        rows = [[*r, str(max(out["cig"][p][r[0]]["seeds"] for p in protos if r[0] in out["cig"][p]))] for r in rows]
+        text.append("## Grounding protocols on the tabletop pixel policy (mean over training seeds, 95% Wilson "
+                    "interval on the pooled episodes; P1 the clean evaluation, P3 swap, P4 mid-episode switch)\n\n"
+                    + md_table(["method", *protos, "P3: did another task", "P4: old task completed", "seeds"], rows))
     return "\n".join(text)
 
 
