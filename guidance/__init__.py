@@ -11,7 +11,9 @@ Methods (``guidance.METHODS``): none, coupled, velocity_gradient, state_gradient
 mc, cfg, particles (P unguided candidates per sample, one kept by exp(-w c): P x the network),
 guided_particles (P coupled-guided stochastic candidates, one kept by importance weights that undo
 the guidance: P x the network);
-``guidance.make`` names the valid options of each. ``velocity(x_t, t)`` (or
+``guidance.make`` names the valid options of each; ``guidance.make(budget="one_pass" | "with_backward" |
+"n_passes", cost=..., scale=...)`` picks by latency budget (``guidance.BUDGETS`` gives each one's
+measured accuracy and time). ``velocity(x_t, t)`` (or
 ``velocity(x_t, t, cond)`` when ``cond`` is given; ``drop_cond=True`` for cfg's unconditional
 branch) returns a tensor shaped like ``x_t``. ``stats`` counts network evaluations, backward
 passes, cost gradients/evaluations, repaired (non-finite or clipped) gradients and wall time.
@@ -26,10 +28,10 @@ from guidance.baselines import (ClassifierFreeGuidance, ImportanceParticles, Mon
                                 StateGradientGuidance, VelocityGradientGuidance)
 from guidance.costs import Cost, Projection, make_cost
 from guidance.coupled import CoupledGuidance, GuidedParticles, PnPRenoiseGuidance
-from guidance.methods import METHODS, make
+from guidance.methods import BUDGETS, METHODS, make
 from guidance.sampler import sample
 
-__all__ = ["sample", "make", "METHODS", "SCHEDULES", "Guidance", "SampleStats", "CoupledGuidance",
+__all__ = ["sample", "make", "METHODS", "BUDGETS", "SCHEDULES", "Guidance", "SampleStats", "CoupledGuidance",
            "PnPRenoiseGuidance", "NoGuidance", "VelocityGradientGuidance", "StateGradientGuidance",
            "MonteCarloGuidance", "ClassifierFreeGuidance", "ImportanceParticles", "GuidedParticles", "Cost", "Projection", "make_cost", "costs",
            "geometry", "operators"]

@@ -272,6 +272,12 @@ class ObstacleCost(_PathCost):
         c = sum((torch.relu(self.margin - o.sdf(p)) ** 2).sum(1) for o in self.obstacles)
         return self.weight * c
 
+    def clearance(self, x: Tensor) -> Tensor:
+        """(B,) metres: the smallest signed distance of any path point to any obstacle (< 0: inside
+        one). The hard check a chunk must pass before it is sent, independent of the margin."""
+        p = self.points(x)
+        return torch.stack([o.sdf(p).amin(1) for o in self.obstacles]).amin(0)
+
 
 class GoalCost(_PathCost):
     """Goal reaching: ``weight * |p_H - goal|^2``, goal (3,) or (B, 3) metres, weight nats/m^2."""

@@ -160,11 +160,13 @@ class FlowMatchingVLA(VLAModel):
 
 
 def _expand(batch: dict[str, Any], n: int) -> dict[str, Any]:
-    """Repeat each sample n times (sample-major)."""
+    """Repeat each sample n times (sample-major); lists (instructions) too."""
     out: dict[str, Any] = {}
     for k, v in batch.items():
         if isinstance(v, dict):
             out[k] = _expand(v, n)
+        elif isinstance(v, (list, tuple)):
+            out[k] = [item for item in v for _ in range(n)]
         else:
             x = torch.as_tensor(v)
             out[k] = x.repeat_interleave(n, 0)

@@ -256,6 +256,35 @@ def test_ee_delta_scale_predicts_tcp_path(avoid_env):
     assert 0.03 < raw.ee_delta_scale < 0.05
 
 
+def test_body_points_see_the_touch_the_key_points_miss(avoid_env):
+    """Driving straight into an obstacle: at the first contact the gripper key points (link origins)
+    still read 2 cm of clearance (in guided runs, 5-6 cm when the hand's edge touched), while the body points (on boxes enclosing the hand, fingers
+    and wrist) are within their spacing of the obstacle: a check on them cannot pass a touch."""
+    import torch
+
+    from train.guided_eval import GRIPPER_POINTS, obstacles_of
+    raw = avoid_env.raw
+    expert = avoid_env.make_expert()
+    gaps = []
+    for seed in range(1, 4):
+        obs, _ = avoid_env.reset(seed=seed, options={"obstacles": "box"})
+        expert.reset(avoid_env, obs)
+        body = raw.body_points(spacing=0.02)
+        assert body.shape[1] == 3 and len(body) > 100
+        for _ in range(avoid_env.max_episode_steps):
+            obs, _, _, trunc, info = avoid_env.step(expert.act(obs))
+            if info["collision"] or trunc:
+                break
+        assert info["collision"], seed
+
+        def clearance(points):
+            p = torch.as_tensor(raw.tcp_and_goal()[0] + np.asarray(points), dtype=torch.float32)[None]
+            return min(float(o.sdf(p).min()) for o in obstacles_of(raw))
+        gaps.append((clearance(GRIPPER_POINTS), clearance(body)))
+    assert all(b <= 0.01 for _, b in gaps), gaps  # within the grid's half diagonal of a touch (measured <= -6 mm)
+    assert all(k > 0.015 for k, _ in gaps), gaps  # the key points read 1.8-2.5 cm at the touch
+
+
 def test_collision_bad_option(avoid_env):
     with pytest.raises(ValueError, match="none.*box.*sphere.*random"):
         avoid_env.reset(seed=0, options={"obstacles": "wall"})

@@ -178,6 +178,28 @@ def test_soft_prefix_cost_pulls_toward_the_prefix():
     assert err1 < 0.2 * err0
 
 
+def test_a_budget_picks_a_method_with_that_cost_in_network_passes():
+    """make(budget=...) gives methods whose measured costs match the names: one pass and no backward,
+    one backward per step, N passes; an option given beside a budget overrides it."""
+    net = TinyNet((4, 3))
+    x0 = torch.randn(2, 4, 3)
+    cost = costs.LinearCost(torch.ones(4, 3))
+    seen = {}
+    for budget in guidance.BUDGETS:
+        g = guidance.make(budget=budget, cost=cost, scale=1.0)
+        x, st = guidance.sample(net, x0, 10, guide=g, return_stats=True)
+        assert torch.isfinite(x).all() and cost(x).mean() < cost(guidance.sample(net, x0, 10)).mean()
+        seen[budget] = (st.nfe, st.n_backward)
+    assert seen["one_pass"] == (10, 0)
+    assert seen["with_backward"][0] == 10 and seen["with_backward"][1] >= 9
+    assert seen["n_passes"][0] == 40 and seen["n_passes"][1] == 0
+    assert guidance.make(budget="n_passes", cost=cost, n_particles=8).n_candidates == 8
+    with pytest.raises(ValueError, match="valid budgets: one_pass, with_backward, n_passes"):
+        guidance.make(budget="fast", cost=cost)
+    with pytest.raises(ValueError, match="not both"):
+        guidance.make("coupled", budget="one_pass", cost=cost)
+
+
 def test_bad_input_raises_value_error_naming_the_problem():
     net = TinyNet((4, 3))
     x0 = torch.randn(2, 4, 3)

@@ -42,6 +42,19 @@ EE_DELTA_SCALE = 0.0396
 EE_DELTA_TARGET_SCALE = 0.1
 
 
+def _box_surface(lo: np.ndarray, hi: np.ndarray, spacing: float) -> np.ndarray:
+    """Points on the surface of the box [lo, hi], at most ``spacing`` apart along each axis."""
+    axes = [np.linspace(a, b, max(2, int(np.ceil((b - a) / spacing)) + 1)) for a, b in zip(lo, hi)]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1)
+    on_face = np.zeros(grid.shape[:3], bool)
+    for d in range(3):
+        idx = [slice(None)] * 3
+        for end in (0, -1):
+            idx[d] = end
+            on_face[tuple(idx)] = True
+    return grid[on_face]
+
+
 @register_env("GroundflowCollisionAvoidance-v1", max_episode_steps=60)
 class GroundflowCollisionAvoidanceEnv(_TableTask):
     """Reach a goal point with the TCP; evaluation places obstacles across the straight path.
@@ -85,6 +98,7 @@ class GroundflowCollisionAvoidanceEnv(_TableTask):
         self.start_tcp = np.zeros(3)
         self._collided = False
         self._min_clearance = float("inf")
+        self._body_points: tuple[float, np.ndarray] | None = None  # per episode: the hand turns at reset
         super().__init__(*args, robot_uids=robot_uids, **kwargs)
         _check_cpu_single(self)
 
@@ -159,6 +173,7 @@ class GroundflowCollisionAvoidanceEnv(_TableTask):
             self.start_tcp = start
         self._collided = False
         self._min_clearance = float("inf")
+        self._body_points = None
 
     def _forward_tcp(self) -> np.ndarray:
         """TCP position of the freshly reset robot (the robot's qpos is set, poses follow)."""
@@ -193,6 +208,37 @@ class GroundflowCollisionAvoidanceEnv(_TableTask):
     def tcp_and_goal(self) -> tuple[np.ndarray, np.ndarray]:
         """Current TCP position and goal point (world frame, metres)."""
         return _p(self.agent.tcp), _p(self.goal_marker)
+
+    BODY_LINKS = ("panda_hand", "panda_leftfinger", "panda_rightfinger", "panda_link7")
+    """the links rigid with the TCP while pd_ee_delta_pos holds the hand's orientation"""
+
+    def body_points(self, spacing: float = 0.02) -> np.ndarray:
+        """(P, 3) points on the surfaces of boxes that enclose the hand, fingers and wrist link,
+        relative to the TCP (world frame, metres), at most ``spacing`` apart. Read from the links'
+        collision shapes at the current pose (the hand keeps its orientation in this task), so a
+        check of these points at clearance >= spacing / 2 cannot miss a touch: the gripper key points
+        (link origins) read 5-10 cm of clearance when the hand's edge touched an obstacle."""
+        if self._body_points is not None and self._body_points[0] == spacing:
+            return self._body_points[1]
+        tcp = _p(self.agent.tcp)
+        out = []
+        for link in self.agent.robot.get_links():
+            if link.name not in self.BODY_LINKS:
+                continue
+            corners = []
+            for body in link._bodies:
+                for shape in body.get_collision_shapes():
+                    T = (body.entity.pose * shape.local_pose).to_transformation_matrix()
+                    if hasattr(shape, "get_vertices"):
+                        v = shape.get_vertices() * shape.get_scale()
+                    else:  # a box
+                        v = np.array(np.meshgrid(*[[-h, h] for h in shape.half_size], indexing="ij")).reshape(3, -1).T
+                    corners.append(v @ T[:3, :3].T + T[:3, 3] - tcp)
+            if corners:
+                pts = np.concatenate(corners)
+                out.append(_box_surface(pts.min(0), pts.max(0), spacing))
+        self._body_points = (spacing, np.concatenate(out).astype(np.float32))
+        return self._body_points[1]
 
     def predict_tcp_path(self, actions: np.ndarray, tcp: np.ndarray | None = None) -> np.ndarray:
         """Linear model of the TCP path under an action chunk: ``tcp + cumsum(a[:, :3]) * ee_delta_scale``."""
