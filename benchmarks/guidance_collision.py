@@ -78,6 +78,8 @@ CONFIGS: dict[str, Row] = {
     "coupled_fast_checked": Row("coupled", check=ChunkCheck(), n_steps=5, **ARM),
     "coupled_trust_fast_checked": Row("coupled", {"step": "trust", "radius": 3.0}, check=ChunkCheck(), n_steps=5,
                                       **ARM),
+    "coupled_trust_fast_retry": Row("coupled", {"step": "trust", "radius": 3.0}, check=ChunkCheck(retries=1),
+                                    n_steps=5, **ARM),
     "state_gradient_fast_checked": Row("state_gradient", check=ChunkCheck(), n_steps=5, **ARM),
     "best_of_8_checked": Row("none", check=ChunkCheck(candidates=8), **{**ARM, "scales": (0.0,)}),
 }
