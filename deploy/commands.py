@@ -153,6 +153,10 @@ class DeployArgs:
     """actions slightly past the joint limits: clip them, or reject them (hold)"""
     workspace: tuple[float, float, float, float, float, float] | None = None
     """xmin ymin zmin xmax ymax zmax of the TCP (franka)"""
+    keep_out: tuple[float, ...] = ()
+    """x y z radius [x y z radius ...]: spheres (m, robot base frame) the TCP must stay out of; a target
+    landing inside one is rejected and the robot holds (needs forward kinematics: franka). Make the radius
+    cover the hand around the TCP"""
     relative_dynamics: float = 0.2
     """franka: relative dynamics factor"""
     sim_cameras: tuple[str, ...] = ()
@@ -326,12 +330,17 @@ def deploy(argv: list[str]) -> None:
                 raise
         resolved = _check_instruction(client, args)  # before anything moves
         ws = args.workspace
-        fk = getattr(robot, "forward_kinematics", None) if ws else None
-        if ws and fk is None:
-            raise InvalidOptionError(f"--workspace needs forward kinematics, which robot {args.robot} does not provide")
+        if len(args.keep_out) % 4:
+            raise InvalidOptionError(f"--keep-out takes x y z radius per sphere (a multiple of 4 numbers); got "
+                                     f"{len(args.keep_out)}")
+        fk = getattr(robot, "forward_kinematics", None) if ws or args.keep_out else None
+        if (ws or args.keep_out) and fk is None:
+            raise InvalidOptionError(f"--workspace and --keep-out need forward kinematics, which robot {args.robot} "
+                                     "does not provide")
         safety_cfg = SafetyConfig(limit_mode=args.limit_mode, velocity_scale=args.velocity_scale,
                                   watchdog_s=args.watchdog_s, workspace_low=ws[:3] if ws else None,
-                                  workspace_high=ws[3:] if ws else None)
+                                  workspace_high=ws[3:] if ws else None,
+                                  keep_out=tuple(tuple(args.keep_out[k:k + 4]) for k in range(0, len(args.keep_out), 4)))
         safety = SafetyLayer(robot, safety_cfg, dt=1.0 / args.rate, fk=fk)
         if args.record:
             recorder = Recorder(args.record, spec, overwrite=args.overwrite,

@@ -10,7 +10,8 @@ What it does to each fresh action (in this order):
    *clipped* (``limit_clip``) with ``limit_mode="clip"`` (default) or *rejected*
    (``limit_reject``) with ``limit_mode="reject"``.
 4. **workspace** — with a forward-kinematics function and a Cartesian box, a target whose
-   end effector leaves the box is *rejected* (``workspace``). Clipping would need IK.
+   end effector leaves the box is *rejected* (``workspace``). Clipping would need IK. Likewise a
+   target whose end effector lands inside a keep-out sphere (``keep_out``).
 5. **velocity / acceleration** (absolute dimensions only) — the target is projected, per
    dimension, onto the interval the limits allow from the last two commands:
    ``|a - p1| <= V dt`` (``velocity``), ``|(a - p1) - (p1 - p0)| <= A dt^2`` (``acceleration``),
@@ -44,9 +45,9 @@ from envs.errors import InvalidOptionError
 
 log = logging.getLogger("groundflow.deploy.safety")
 
-INTERVENTIONS = ("shape", "nonfinite", "far_out_of_limits", "limit_clip", "limit_reject", "workspace",
+INTERVENTIONS = ("shape", "nonfinite", "far_out_of_limits", "limit_clip", "limit_reject", "workspace", "keep_out",
                  "velocity", "acceleration", "braking", "watchdog", "stop_signal", "driver_error")
-REJECTING = {"shape", "nonfinite", "far_out_of_limits", "limit_reject", "workspace"}
+REJECTING = {"shape", "nonfinite", "far_out_of_limits", "limit_reject", "workspace", "keep_out"}
 
 
 @dataclass
@@ -62,6 +63,10 @@ class SafetyConfig:
     workspace_low: tuple[float, float, float] | None = None
     """end-effector box (m, robot base frame); needs a forward-kinematics function"""
     workspace_high: tuple[float, float, float] | None = None
+    keep_out: tuple[tuple[float, float, float, float], ...] = ()
+    """spheres ``(x, y, z, radius)`` (m, robot base frame) the end effector must stay out of: a target
+    whose end effector lands inside one is rejected (needs a forward-kinematics function). The last
+    line under a guided policy; the radius must cover the hand around the TCP (about 0.1 m for a Panda)"""
     watchdog_s: float = 0.25
     """hold when no fresh action arrived for this long"""
     log_every: int = 1000
@@ -76,6 +81,10 @@ class SafetyConfig:
             raise InvalidOptionError("velocity_scale and acceleration_scale must be > 0")
         if (self.workspace_low is None) != (self.workspace_high is None):
             raise InvalidOptionError("give both workspace_low and workspace_high, or neither")
+        for k, sphere in enumerate(self.keep_out):
+            if len(sphere) != 4 or not all(np.isfinite(v) for v in sphere) or not sphere[3] > 0:
+                raise InvalidOptionError(f"keep_out[{k}] must be (x, y, z, radius) with a finite centre and radius > 0; "
+                                         f"got {tuple(sphere)}")
         if not self.watchdog_s > 0:
             raise InvalidOptionError(f"watchdog_s must be > 0, got {self.watchdog_s}")
 
@@ -96,8 +105,9 @@ class SafetyLayer:
         self.vmax = spec.velocity_limits * cfg.velocity_scale
         self.amax = spec.acceleration_limits * cfg.acceleration_scale
         self.fk = fk
-        if cfg.workspace_low is not None and fk is None:
-            raise InvalidOptionError("a workspace box needs a forward-kinematics function (fk=...)")
+        if (cfg.workspace_low is not None or cfg.keep_out) and fk is None:
+            raise InvalidOptionError("a workspace box or keep-out spheres need a forward-kinematics function (fk=...)")
+        self.keep_out = np.asarray(cfg.keep_out, np.float64).reshape(-1, 4)
         self.ws_low = None if cfg.workspace_low is None else np.asarray(cfg.workspace_low, np.float64)
         self.ws_high = None if cfg.workspace_high is None else np.asarray(cfg.workspace_high, np.float64)
         self.counts: Counter[str] = Counter()
@@ -163,12 +173,24 @@ class SafetyLayer:
             events.append(f"limit_clip:dims {np.flatnonzero(out).tolist()}")
         if self.fk is not None and self.ws_low is not None and not self._in_workspace(a):
             return self._hold_target(), events + ["workspace:target outside the workspace box"]
+        if self.fk is not None and len(self.keep_out):
+            inside = self._keep_out_hit(a)
+            if inside is not None:
+                return self._hold_target(), events + [f"keep_out:target inside keep-out sphere {inside}"]
         cmd, rate_events = self._rate_limit(a)
         return cmd, events + rate_events
 
     def _in_workspace(self, a: np.ndarray) -> bool:
         ee_pos = np.asarray(self.fk(a.astype(np.float64)), np.float64).reshape(-1)[:3]
         return bool(np.all(np.isfinite(ee_pos)) and np.all(ee_pos >= self.ws_low) and np.all(ee_pos <= self.ws_high))
+
+    def _keep_out_hit(self, a: np.ndarray) -> int | None:
+        """Index of the keep-out sphere the target's end effector lands in (a non-finite one: 0), or None."""
+        ee_pos = np.asarray(self.fk(a.astype(np.float64)), np.float64).reshape(-1)[:3]
+        if not np.all(np.isfinite(ee_pos)):
+            return 0
+        dist = np.linalg.norm(self.keep_out[:, :3] - ee_pos, axis=1) - self.keep_out[:, 3]
+        return int(np.argmin(dist)) if float(dist.min()) < 0 else None
 
     def _intervals(self) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
         """Per-dimension interval allowed for the next absolute target, and its parts."""

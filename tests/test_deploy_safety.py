@@ -134,6 +134,31 @@ def test_workspace_box_rejects_targets_that_leave_it(robot):
         SafetyLayer(robot, cfg)
 
 
+def test_keep_out_sphere_rejects_targets_whose_tcp_lands_inside(robot):
+    """The last line under a guided policy: a joint target that puts the TCP inside a keep-out sphere
+    is rejected (the robot holds); one that stays outside passes; a bad sphere is refused."""
+    robot.reset(0)
+    hold = robot.hold_action()
+    tcp = franka_tcp_position(hold)
+    into = hold.copy()
+    into[1] += 0.3  # shoulder forward: the TCP moves ~10 cm
+    target_tcp = franka_tcp_position(into)
+    assert np.linalg.norm(target_tcp - tcp) > 0.08
+    cfg = SafetyConfig(keep_out=((*target_tcp, 0.04), (*(tcp + [0, 0, 1.0]), 0.1)))
+    safety = SafetyLayer(robot, cfg, dt=1 / 20, fk=franka_tcp_position)
+    safety.reset()
+    cmd, events = safety.filter(into)
+    assert events == ["keep_out:target inside keep-out sphere 0"]
+    np.testing.assert_allclose(cmd, safety.last_command, atol=1e-6)
+    away = hold.copy()
+    away[0] += 0.02
+    assert safety.filter(away)[1] == []
+    with pytest.raises(InvalidOptionError, match="forward-kinematics"):
+        SafetyLayer(robot, cfg)
+    with pytest.raises(InvalidOptionError, match=r"keep_out\[0\] must be \(x, y, z, radius\)"):
+        SafetyConfig(keep_out=((0.0, 0.0, 0.5, -0.1),))
+
+
 def test_stop_signal_brakes_and_ends_the_episode(robot, monkeypatch):
     robot.reset(0)
     q0 = robot.hold_action()[:7]
