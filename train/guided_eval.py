@@ -107,12 +107,13 @@ def obstacle_cost(policy: Any, raw: Any, margin: float, weight: float = 1e4, goa
     return cost
 
 
-def hard_check(policy: Any, raw: Any, clearance: float,
-               body: tuple[tuple[float, float, float], ...] = GRIPPER_POINTS) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def hard_check(policy: Any, raw: Any, clearance: float, body: Any = GRIPPER_POINTS,
+               obstacles: list | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``feasible(x) -> (N,) bool``: every body point (``body``; ``LINKS`` at ``CHECK_SPACING``)
     along the chunk's TCP path at least ``clearance`` metres outside every obstacle (None without
-    obstacles). The linear path model errs by up to 13 mm (p95, expert chunks), so 1-2 cm covers it."""
-    obs = obstacles_of(raw)
+    obstacles; ``obstacles`` as in ``obstacle_cost``). The linear path model errs by up to 13 mm (p95,
+    expert chunks), so 1-2 cm covers it."""
+    obs = obstacles_of(raw) if obstacles is None else list(obstacles)
     if not obs:
         return None
     tcp, _ = raw.tcp_and_goal()
