@@ -171,22 +171,23 @@ class SafetyLayer:
                 return self._hold_target(), [f"limit_reject:dims {np.flatnonzero(out).tolist()}"]
             a = np.clip(a, self.low, self.high)
             events.append(f"limit_clip:dims {np.flatnonzero(out).tolist()}")
-        if self.fk is not None and self.ws_low is not None and not self._in_workspace(a):
-            return self._hold_target(), events + ["workspace:target outside the workspace box"]
-        if self.fk is not None and len(self.keep_out):
-            inside = self._keep_out_hit(a)
+        if self.fk is not None and (self.ws_low is not None or len(self.keep_out)):
+            ee_pos = np.asarray(self.fk(a.astype(np.float64)), np.float64).reshape(-1)[:3]  # once per target
+            if self.ws_low is not None and not self._in_workspace(ee_pos):
+                return self._hold_target(), events + ["workspace:target outside the workspace box"]
+            inside = self._keep_out_hit(ee_pos)
             if inside is not None:
                 return self._hold_target(), events + [f"keep_out:target inside keep-out sphere {inside}"]
         cmd, rate_events = self._rate_limit(a)
         return cmd, events + rate_events
 
-    def _in_workspace(self, a: np.ndarray) -> bool:
-        ee_pos = np.asarray(self.fk(a.astype(np.float64)), np.float64).reshape(-1)[:3]
+    def _in_workspace(self, ee_pos: np.ndarray) -> bool:
         return bool(np.all(np.isfinite(ee_pos)) and np.all(ee_pos >= self.ws_low) and np.all(ee_pos <= self.ws_high))
 
-    def _keep_out_hit(self, a: np.ndarray) -> int | None:
-        """Index of the keep-out sphere the target's end effector lands in (a non-finite one: 0), or None."""
-        ee_pos = np.asarray(self.fk(a.astype(np.float64)), np.float64).reshape(-1)[:3]
+    def _keep_out_hit(self, ee_pos: np.ndarray) -> int | None:
+        """Index of the keep-out sphere the end effector lands in (a non-finite one: 0), or None."""
+        if not len(self.keep_out):
+            return None
         if not np.all(np.isfinite(ee_pos)):
             return 0
         dist = np.linalg.norm(self.keep_out[:, :3] - ee_pos, axis=1) - self.keep_out[:, 3]
