@@ -130,14 +130,15 @@ def _plan(policy: Any, raw: Any, obs: Any, method: str, scale: float, margin: fl
           n_steps: int | None) -> tuple[Any, int, bool]:
     """(normalized chunk or None to hold, network evaluations, whether it was held)."""
     guide, cost = None, None
+    obstacles = obstacles_of(raw)  # read once for the cost and the check
     if (method != "none" and scale > 0) or check is not None:
-        cost = obstacle_cost(policy, raw, margin, goal_weight=goal_weight, body=body)
+        cost = obstacle_cost(policy, raw, margin, goal_weight=goal_weight, body=body, obstacles=obstacles)
     if method != "none" and scale > 0 and cost is not None:
         guide = guidance.make(method, cost=cost, scale=scale, **(options or {}))
     batch = policy.obs_to_batch(obs)
     if check is not None:
         x, st = choose_chunk(policy, batch, check, guide=guide, cost=cost, n_exec=policy.config.n_exec,
-                             feasible=hard_check(policy, raw, clearance, body), n_steps=n_steps)
+                             feasible=hard_check(policy, raw, clearance, body, obstacles), n_steps=n_steps)
         return x, st.nfe, st.held
     if guide is not None and guide.needs_network_grad:
         x, st = policy.sample_chunks(batch, guide=guide, return_stats=True, n_steps=n_steps)

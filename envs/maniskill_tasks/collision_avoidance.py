@@ -217,7 +217,7 @@ class GroundflowCollisionAvoidanceEnv(_TableTask):
         relative to the TCP (world frame, metres), at most ``spacing`` apart. Read from the links'
         collision shapes at the current pose (the hand keeps its orientation in this task), so a
         check of these points at clearance >= spacing / 2 cannot miss a touch: the gripper key points
-        (link origins) read 5-10 cm of clearance when the hand's edge touched an obstacle."""
+        (link origins) read 2-6 cm of clearance when the hand's edge touched an obstacle."""
         if self._body_points is not None and self._body_points[0] == spacing:
             return self._body_points[1]
         tcp = _p(self.agent.tcp)
