@@ -34,7 +34,7 @@ import policies  # noqa: E402
 from envs.metrics import wilson  # noqa: E402
 from train.bc import TrainArgs, train  # noqa: E402
 from policies.selection import ChunkCheck  # noqa: E402
-from train.guided_eval import GRIPPER_POINTS, LINKS, _plan, evaluate_collision  # noqa: E402
+from train.guided_eval import CHECK_CLEARANCE, GRIPPER_POINTS, LINKS, _plan, evaluate_collision  # noqa: E402
 
 ENV = "maniskill/CollisionAvoidance-v1"
 @dataclass(frozen=True)
@@ -85,7 +85,6 @@ CONFIGS: dict[str, Row] = {
 }
 METHODS = tuple(CONFIGS)
 FINAL_SEED = 5000
-ARM_METHODS = tuple(k for k, r in CONFIGS.items() if r.body == LINKS)
 
 
 @dataclass
@@ -95,7 +94,7 @@ class Args:
     """guidance scales swept (two decades)"""
     sweep_episodes: int = 20
     final_episodes: int = 100
-    final_seed: int = 5000
+    final_seed: int = FINAL_SEED
     """first seed of the reported episodes (the sweep uses 3000-3019). Another one re-checks the
     table's rows at their chosen scales on those episodes (no sweep), written to ``collision_rechecks``"""
     demos: int = 120
@@ -118,19 +117,19 @@ def main() -> None:
         raise SystemExit(f"unknown --methods {unknown}; valid: {', '.join(CONFIGS)} (unguided 'none' always runs)")
     if a.quick:
         a.scales, a.sweep_episodes, a.final_episodes, a.train_steps = (3.0, 30.0), 4, 6, 300
-    data = demos(ENV, a.demos, seed=a.seed, dart_noise=a.dart_noise)
-    out = ROOT / "runs" / "bench_guidance_collision" / f"s{a.seed}_n{a.demos}_st{a.train_steps}"
-    if not (out / "ckpt").exists():
-        train(TrainArgs(data=(data,), policy="flow", steps=a.train_steps, horizon=8, n_exec=4, out=out,
-                        wandb="disabled", progress=False, seed=a.seed))
-    pol = policies.load(out / "ckpt")
-    if a.table_only:
+    if a.table_only:  # no rollouts: neither demos nor a policy
         res = json.loads((RESULTS / "guidance.json").read_text())
         final = res["collision"]
         final["recommended"] = _recommend(final)
         merge_json(RESULTS / "guidance.json", {"collision": final})
         free = {"success_rate": res["collision_meta"]["no_obstacle_success"], "collision_rate": 0.0}
         return _write(final, res["collision_sweep"], res["collision_meta"], free, res["collision_meta"]["sweep_episodes"])
+    data = demos(ENV, a.demos, seed=a.seed, dart_noise=a.dart_noise)
+    out = ROOT / "runs" / "bench_guidance_collision" / f"s{a.seed}_n{a.demos}_st{a.train_steps}"
+    if not (out / "ckpt").exists():
+        train(TrainArgs(data=(data,), policy="flow", steps=a.train_steps, horizon=8, n_exec=4, out=out,
+                        wandb="disabled", progress=False, seed=a.seed))
+    pol = policies.load(out / "ckpt")
     if a.final_seed != FINAL_SEED:
         return _recheck(a, pol)
     t0 = time.time()
@@ -152,9 +151,7 @@ def main() -> None:
     interleaved = _time_interleaved(a, pol, {m: float(final[m]["scale"]) for m in a.methods})
     base_ms, base_nfe = final["none"]["ms_per_chunk"], final["none"]["nfe_per_chunk"]
     for r in final.values():
-        n = r["episodes"]
-        r["success_ci95"] = list(wilson(round(r["success_rate"] * n), n))
-        r["collision_ci95"] = list(wilson(round(r["collision_rate"] * n), n))
+        _add_cis(r)
         r["time_ratio"] = r["ms_per_chunk"] / base_ms
         r["nfe_ratio"] = r["nfe_per_chunk"] / base_nfe
     for m, ratio in interleaved.items():
@@ -163,7 +160,7 @@ def main() -> None:
             "train_steps": a.train_steps, "margin_m": a.margin, "goal_weight": a.goal_weight,
             "sweep_episodes": a.sweep_episodes, "final_episodes": a.final_episodes, "final_seed": a.final_seed,
             "arm_rows": {"body": "links (cost: points 4 cm apart; check: 2 cm)", "margin_m": ARM["margin"],
-                         "goal_weight": ARM["goal_weight"], "check_clearance_m": 0.015},
+                         "goal_weight": ARM["goal_weight"], "check_clearance_m": CHECK_CLEARANCE},
             "no_obstacle_success": ref["no_obstacle"]["success_rate"], "seconds": time.time() - t0,
             "machine": machine(), "skipped": {"mc": "needs conditional chunk samples per observation",
                                               "cfg": "takes no cost"}}
@@ -216,21 +213,31 @@ def _recheck(a: Args, pol: Any) -> None:
     checks = old.get("collision_rechecks", {})
     for m in ("none", *a.methods):
         row = CONFIGS.get(m, Row("none"))
-        r = _run(a, pol, row, float(old["collision"][m]["scale"]), a.final_episodes, a.final_seed)
-        n = r["episodes"]
-        r["success_ci95"] = list(wilson(round(r["success_rate"] * n), n))
-        r["collision_ci95"] = list(wilson(round(r["collision_rate"] * n), n))
+        r = _add_cis(_run(a, pol, row, float(old["collision"][m]["scale"]), a.final_episodes, a.final_seed))
         checks[f"{m}@{a.final_seed}"] = r
         print(f"{m}@{a.final_seed}: success {r['success_rate']:.2f} {r['success_ci95']}, collisions "
               f"{r['collision_rate']:.2f} {r['collision_ci95']}, holds {r.get('hold_rate', 0):.2f}", flush=True)
     merge_json(RESULTS / "guidance.json", {"collision_rechecks": checks})
 
 
+def _add_cis(r: dict[str, Any]) -> dict[str, Any]:
+    """``r`` with Wilson 95% intervals of its success and collision rates."""
+    n = r["episodes"]
+    r["success_ci95"] = list(wilson(round(r["success_rate"] * n), n))
+    r["collision_ci95"] = list(wilson(round(r["collision_rate"] * n), n))
+    return r
+
+
+def _weights(a: Args, row: Row) -> tuple[float, float]:
+    """The row's (margin, goal weight); the command line's where the row names none."""
+    return (a.margin if row.margin is None else row.margin,
+            a.goal_weight if row.goal_weight is None else row.goal_weight)
+
+
 def _run(a: Args, pol: Any, row: Row, scale: float, episodes: int, seed: int) -> dict[str, Any]:
+    margin, goal_weight = _weights(a, row)
     r = evaluate_collision(pol, row.method, scale, episodes, seed=seed, options=row.options, body=row.body,
-                           margin=a.margin if row.margin is None else row.margin,
-                           goal_weight=a.goal_weight if row.goal_weight is None else row.goal_weight,
-                           check=row.check, n_steps=row.n_steps)
+                           margin=margin, goal_weight=goal_weight, check=row.check, n_steps=row.n_steps)
     return {**r, "config": _describe(row)}
 
 
@@ -256,10 +263,8 @@ def _time_interleaved(a: Args, pol: Any, scales: dict[str, float], states: int =
                 row = CONFIGS.get(m, Row("none"))
                 torch.manual_seed(k)
                 t = time.perf_counter()
-                _plan(pol, env.raw, o, row.method, scales.get(m, 0.0),
-                      a.margin if row.margin is None else row.margin,
-                      a.goal_weight if row.goal_weight is None else row.goal_weight, row.options, row.body, row.check,
-                      0.015, row.n_steps)
+                _plan(pol, env.raw, o, row.method, scales.get(m, 0.0), *_weights(a, row), row.options, row.body,
+                      row.check, CHECK_CLEARANCE, row.n_steps)
                 times[m].append(time.perf_counter() - t)
     env.close()
     base = float(np.median(times.pop("none")))

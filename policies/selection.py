@@ -12,7 +12,7 @@ far less than N sequential passes; the cost is evaluated once per candidate, and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -51,7 +51,6 @@ class ChoiceStats:
     """candidates that failed the check"""
     held: bool = False
     nonfinite: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def choose_chunk(policy: Any, batch: dict[str, Any], check: ChunkCheck, *, guide: Any = None,

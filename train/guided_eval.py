@@ -48,6 +48,8 @@ LINK_SPACING = 0.04
 """metres between those points in the guidance cost (its time grows with their number)"""
 CHECK_SPACING = 0.02
 """... and in the hard check (once per candidate: dense enough that clearance >= 1.5 cm cannot pass a touch)"""
+CHECK_CLEARANCE = 0.015
+"""metres every checked point must keep from every obstacle"""
 
 
 def _body(raw: Any, body: Any, spacing: float = LINK_SPACING) -> Any:
@@ -151,7 +153,7 @@ def _plan(policy: Any, raw: Any, obs: Any, method: str, scale: float, margin: fl
 def evaluate_collision(policy: Any, method: str = "none", scale: float = 0.0, episodes: int = 20, seed: int = 2000,
                        obstacles: str = "random", margin: float = 0.05, goal_weight: float = 30.0, options: dict | None = None,
                        env: Any = None, body: tuple[tuple[float, float, float], ...] = GRIPPER_POINTS,
-                       check: ChunkCheck | None = None, clearance: float = 0.015,
+                       check: ChunkCheck | None = None, clearance: float = CHECK_CLEARANCE,
                        n_steps: int | None = None) -> dict[str, Any]:
     """Success and collision rates of ``policy`` guided by ``method`` at ``scale``; with ``check``,
     the chunk sent is chosen by ``policies.selection.choose_chunk`` (candidates, the hard check at
