@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -30,6 +33,35 @@ def demos(env_id: str, episodes: int, seed: int = 0, **kw: Any) -> Path:
     if not path.exists():
         collect(CollectArgs(env=env_id, episodes=episodes, out=path, seed=seed, progress=False, **kw))
     return path
+
+
+@contextlib.contextmanager
+def served(ckpt: Path, timeout_s: float = 120.0) -> Iterator[int]:
+    """``groundflow serve --ckpt`` on a free loopback port (one torch thread), yielding the port once a
+    client's handshake succeeds (the server loads its checkpoint and language model first); stopped after."""
+    from deploy.client import PolicyClient
+    from deploy.errors import PolicyUnavailableError
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "groundflow"), "serve", "--ckpt", str(ckpt),
+                               "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                PolicyClient(port=port, timeout=10.0).close()
+                break
+            except (OSError, PolicyUnavailableError):  # not listening yet
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"groundflow serve --ckpt {ckpt} did not answer on port {port}") from None
+                time.sleep(0.5)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(30)
 
 
 def machine() -> dict[str, Any]:

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, machine, md_table  # noqa: E402
+from common import RESULTS, ROOT, machine, md_table, served  # noqa: E402
 
 # benchmarks/libero.py would shadow the LIBERO package (--suite libero_goal): take this folder (Python
 # puts it first for a script) off the path now that `common` is imported
@@ -151,11 +151,20 @@ class Method:
     end_to_end: tuple[str, ...] | None = None
     """no head: the policy reads the images itself, trained on the head's demos (head_data) with these
     extra flags (the encoder, its augmentation, batch and steps)"""
+    shortcut_rho: float | None = None
+    """P2: the policy's demos come from the correlated layout, where the layout names the task with this
+    probability (the head's demos stay random-layout); its test is the clean evaluation on random layouts"""
+    p2_of: str | None = None
+    """the grounding row whose P2 cell this method is"""
 
     @property
     def has_head(self) -> bool:
         return self.estimate_noise is not None and self.end_to_end is None
 
+
+JOINT_CIG = ("--cig.weight", "1", "--cig.variant", "bounded", "--cig.negatives", "3", "--cig.draws", "2",
+               "--cig.batch", "64")
+"""joint CIG's flags (the grounding benchmark's best: bounded, lambda 1, 3 negatives, 2 draws, 64 samples)"""
 
 METHODS: dict[str, Method] = {
     "head": Method("perception head (CoordConv + spatial softmax, both cameras) feeding a policy trained on the "
@@ -182,8 +191,7 @@ METHODS: dict[str, Method] = {
                     "`head_dr`", estimate_noise=0.0, head_from="head_dr", policy_flags=("--steps", "48000")),
     "cig_joint": Method("joint CIG (bounded, lambda 1, 3 negatives, 2 draws, on 64 samples of each batch) from "
                         "scratch, the recipe's steps, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
-                        policy_flags=("--cig.weight", "1", "--cig.variant", "bounded", "--cig.negatives", "3",
-                                      "--cig.draws", "2", "--cig.batch", "64")),
+                        policy_flags=JOINT_CIG),
     "dagger": Method("DAgger: the recipe's policy retrained on its demos plus episodes where the recipe (head and "
                      "policy) acted and the expert labelled the states it reached; the recipe's head (units converted)",
                      estimate_noise=0.0, head_from="recipe", dagger_from="recipe"),
@@ -191,6 +199,13 @@ METHODS: dict[str, Method] = {
                                      "240 episodes where `head_dr_nonoise` acted and the expert labelled the states it "
                                      "reached; the head of `head_dr` (units converted)", estimate_noise=0.0,
                                      head_from="head_dr", dagger_from="head_dr_nonoise"),
+    # P2 from pixels: the rows above trained where the layout names the task with probability 0.9
+    "p2_bc": Method("P2 of `head_dr_nonoise`: its policy trained on demos where the layout names the task with "
+                    "probability 0.9, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
+                    shortcut_rho=0.9, p2_of="head_dr_nonoise"),
+    "p2_cig_joint": Method("P2 of `cig_joint`: joint CIG trained on demos where the layout names the task with "
+                           "probability 0.9, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
+                           policy_flags=JOINT_CIG, shortcut_rho=0.9, p2_of="cig_joint"),
     "cnn_e2e": Method("end to end: the policy reads both cameras through a CNN trained from scratch (spatial-softmax "
                       "keypoints, 4 px random shift, colour jitter 0.3), on clean + randomized demos; 8000 steps of 64",
                       head_data="clean+dr", end_to_end=("--vision", "cnn", "--image-pool", "keypoints",
@@ -239,21 +254,43 @@ def _gf(*args: str, log: Path | None = None) -> None:
 
 
 def _data(a: Args, which: str) -> list[Path]:
+    """The demo files of ``which``: clean, dr (randomized camera and light) or p2rho<rho> (the clean seeds on
+    the correlated layout)."""
     su = SUITES[a.suite]
-    return [a.data / f"{a.suite}_{which}_s{s}.h5" for s in (su.clean_seeds if which == "clean" else su.dr_seeds)]
+    return [a.data / f"{a.suite}_{which}_s{s}.h5" for s in (su.dr_seeds if which == "dr" else su.clean_seeds)]
+
+
+def _shortcut_flags(su: Suite, rho: float) -> list[str]:
+    """The suite's collect flags with its random layout replaced by the correlated one at ``rho``."""
+    flags = list(su.collect)
+    if "--layout" not in flags or flags[flags.index("--layout") + 1] != "random":
+        raise SystemExit(f"P2 needs a suite collected on random layouts that has a correlated one (tabletop, "
+                         f"kitchen); its collect flags are {' '.join(su.collect)}")
+    flags[flags.index("--layout") + 1] = "correlated"
+    return flags + ["--layout-rho", str(rho)]
+
+
+def _policy_data(a: Args, m: Method) -> list[Path]:
+    """The demos a method's policy trains on."""
+    data = _data(a, "clean") if m.shortcut_rho is None else _data(a, f"p2rho{m.shortcut_rho}")
+    data += _data(a, "dr") if m.end_to_end and m.head_data == "clean+dr" else []
+    return data + (_dagger_paths(a, m.dagger_from) if m.dagger_from else [])
 
 
 def collect(a: Args) -> None:
     a.data.mkdir(parents=True, exist_ok=True)
     su = SUITES[a.suite]
     need_dr = any(METHODS[m].head_data == "clean+dr" for m in a.methods)
+    rhos = sorted({METHODS[m].shortcut_rho for m in a.methods} - {None})
     procs = []
-    for which in ("clean", "dr") if need_dr else ("clean",):
-        for seed, path in zip(su.clean_seeds if which == "clean" else su.dr_seeds, _data(a, which)):
+    sets = [("clean", None)] + ([("dr", None)] if need_dr else []) + [(f"p2rho{r}", r) for r in rhos]
+    for which, rho in sets:
+        for seed, path in zip(su.dr_seeds if which == "dr" else su.clean_seeds, _data(a, which)):
             if path.exists():
                 continue
             extra = ["--randomize", *su.randomize] if which == "dr" else []
-            cmd = [GROUNDFLOW, "collect", *su.collect, "--episodes",
+            task = su.collect if rho is None else _shortcut_flags(su, rho)
+            cmd = [GROUNDFLOW, "collect", *task, "--episodes",
                    str(su.demos_per_seed if which == "clean" else su.dr_demos_per_seed or su.demos_per_seed),
                    "--cameras", *su.cameras, "--image-size", str(su.image_size),
                    "--seed", str(seed), "--out", str(path), "--no-progress", *extra]
@@ -307,9 +344,7 @@ def train(a: Args) -> None:
         m = METHODS[name]
         pol = _policy_dir(a, name)
         if not (pol / "summary.json").exists():  # written when a run ends; a killed one resumes
-            data = _data(a, "clean") + (_data(a, "dr") if m.end_to_end and m.head_data == "clean+dr" else [])
-            data += _dagger_paths(a, m.dagger_from) if m.dagger_from else []
-            flags = ["train", "--recipe", su.recipe, "--data", *map(str, data), "--out", str(pol),
+            flags = ["train", "--recipe", su.recipe, "--data", *map(str, _policy_data(a, m)), "--out", str(pol),
                      "--seed", str(a.seed), "--no-progress", "--wandb", "disabled"]
             flags += ["--steps", str(su.steps)] if su.steps and "--steps" not in (m.end_to_end or ()) else []
             if m.end_to_end is not None:
@@ -411,9 +446,7 @@ def deploy_part(a: Args) -> None:
     """The checkpoint behind ``groundflow serve``, driven by the deploy path (client, control loop,
     safety layer) on the simulated suite rendering the cameras: success and round trip per image
     encoding, the same episodes for each."""
-    import socket
     from deploy.client import robot_client
-    from deploy.errors import PolicyUnavailableError
     from deploy.evaluate import evaluate_via_server
     from deploy.safety import SafetyConfig
     from deploy.sim_robot import SimRobot
@@ -424,14 +457,7 @@ def deploy_part(a: Args) -> None:
     instructions = probe_env.suite.instructions if probe_env.suite else None
     probe_env.close()
     for name in a.methods:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        server = subprocess.Popen([GROUNDFLOW, "serve", "--ckpt",
-                                   str(_final_dir(a, name)), "--host", "127.0.0.1", "--port", str(port)],
-                                  cwd=ROOT, env=ONE_THREAD,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
+        with served(_final_dir(a, name)) as port:
             opts = su.opts
             probe = SimRobot(su.env, env_options=opts)
             probe.connect()
@@ -439,15 +465,8 @@ def deploy_part(a: Args) -> None:
             probe.close()
             out = {}
             for enc in a.encodings:
-                for _ in range(120):  # the server loads its checkpoint and the language model first
-                    try:
-                        client = robot_client("127.0.0.1", port, spec, SafetyConfig.far_margin, timeout=10.0,
-                                              image_encoding=enc)
-                        break
-                    except (OSError, PolicyUnavailableError):  # not listening yet
-                        time.sleep(1.0)
-                else:
-                    raise SystemExit(f"groundflow serve on port {port} did not answer")
+                client = robot_client("127.0.0.1", port, spec, SafetyConfig.far_margin, timeout=10.0,
+                                      image_encoding=enc)
                 r = evaluate_via_server(su.env, client, a.server_episodes, seed=EVAL_SEED, env_options=opts,
                                         instructions=instructions)
                 client.close()
@@ -455,9 +474,6 @@ def deploy_part(a: Args) -> None:
                 print(f"{name} via server ({enc}): {r['success_rate']:.2f} {r['ci95']}, rtt p50 {r['rtt_p50_ms']} ms",
                       flush=True)
             _piece(a, name, "deploy").write_text(json.dumps(out, indent=2))
-        finally:
-            server.terminate()
-            server.wait(30)
 
 
 def _minutes(a: Args, name: str) -> float | None:
@@ -523,8 +539,8 @@ def _seeds(a: Args, name: str, what: str) -> dict[int, Path]:
 
 
 def _grounding(a: Args) -> dict[str, Any]:
-    """P1 (the clean evaluation), P3 and P4 per tabletop method that ran the protocols part, over the
-    training seeds that ran it: the mean of the seeds' rates, a Wilson interval on the pooled episodes
+    """P1 (the clean evaluation), P3 and P4 per tabletop method that ran the protocols part, and P2 (the clean
+    evaluation of the method's shortcut-trained twin, ``p2_of``), over the training seeds that ran it: the mean of the seeds' rates, a Wilson interval on the pooled episodes
     (it ignores the spread between seeds; ``per_seed`` shows it)."""
     from envs.metrics import wilson
     per: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
@@ -540,6 +556,12 @@ def _grounding(a: Args) -> dict[str, Any]:
                 rows["P1"] = {"rate": c["success_rate"], "ci95": c["ci95"], "n": c["episodes"]}
             for proto, r in rows.items():
                 per.setdefault(proto, {}).setdefault(name, {})[seed] = r
+        m = METHODS[name]
+        if m.p2_of:  # P2's test: the clean evaluation (random layouts) of the shortcut-trained policy
+            for seed, clean in cleans.items():
+                c = json.loads(clean.read_text())
+                per.setdefault(f"P2_rho{m.shortcut_rho}", {}).setdefault(m.p2_of, {})[seed] = {
+                    "rate": c["success_rate"], "ci95": c["ci95"], "n": c["episodes"]}
     cig: dict[str, Any] = {}
     for proto, methods in per.items():
         for name, seeds in methods.items():
@@ -605,15 +627,22 @@ def _table(out: dict[str, Any]) -> str:
             text.append(f"### {suite}: re-checks on other episodes (condition@first seed; camera moves and lights "
                         "drawn anew)\n\n" + md_table(["method", "condition", "success [95% CI]", "episodes"], re_rows))
     if out.get("cig"):
-        protos = [p for p in ("P1", "P3", "P4") if p in out["cig"]]
+        protos = [p for p in ("P1", *sorted(k for k in out["cig"] if k.startswith("P2_rho")), "P3", "P4")
+                  if p in out["cig"]]
         methods = sorted({m for p in protos for m in out["cig"][p]})
-        rows = [[m, *[_fmt(out["cig"][p][m]["success"], out["cig"][p][m]["ci95"]) if m in out["cig"][p] else "-"
-                      for p in protos],
+        def cell(p: str, m: str) -> str:
+            if m not in out["cig"][p]:
+                return "-"
+            c = out["cig"][p][m]
+            return _fmt(c["success"], c["ci95"]) + (f" ({c['seeds']} seed{'s' * (c['seeds'] > 1)})"
+                                                    if c["seeds"] != out["cig"]["P1"][m]["seeds"] else "")
+        rows = [[m, *[cell(p, m) for p in protos],
                  _fmt(out["cig"]["P3_did_other_task"][m]["rate"]), _fmt(out["cig"]["P4_old_task_completed"][m]["rate"])]
                 for m in methods]
         rows = [[*r, str(max(out["cig"][p][r[0]]["seeds"] for p in protos if r[0] in out["cig"][p]))] for r in rows]
         text.append("## Grounding protocols on the tabletop pixel policy (mean over training seeds, 95% Wilson "
-                    "interval on the pooled episodes; P1 the clean evaluation, P3 swap, P4 mid-episode switch)\n\n"
+                    "interval on the pooled episodes; P1 the clean evaluation, P2 trained where the layout names the "
+                    "task with probability rho and tested on random layouts, P3 swap, P4 mid-episode switch)\n\n"
                     + md_table(["method", *protos, "P3: did another task", "P4: old task completed", "seeds"], rows))
     return "\n".join(text)
 
