@@ -11,6 +11,7 @@ guidance_collision.md and guidance_collision.png.
 
     .venv/bin/python benchmarks/guidance_collision.py              # ~15-20 min on 2 cores
     .venv/bin/python benchmarks/guidance_collision.py --quick      # smoke run (writes nothing)
+    .venv/bin/python benchmarks/guidance_collision.py --deploy-episodes 100   # through serve + deploy
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, ROOT, demos, machine, md_table, merge_json  # noqa: E402
+from common import RESULTS, ROOT, demos, machine, md_table, merge_json, served  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -33,6 +34,7 @@ from tqdm import tqdm  # noqa: E402
 import policies  # noqa: E402
 from envs.metrics import wilson  # noqa: E402
 from train.bc import TrainArgs, train  # noqa: E402
+from policies.constraints import ArmGuidance  # noqa: E402
 from policies.selection import ChunkCheck  # noqa: E402
 from train.guided_eval import CHECK_CLEARANCE, GRIPPER_POINTS, LINKS, _plan, evaluate_collision  # noqa: E402
 
@@ -108,6 +110,12 @@ class Args:
     """rewrite the table, the recommendation and the plot from guidance.json (no rollouts)"""
     keep_other_rows: bool = False
     """keep the results of methods not run now (a partial rerun, e.g. after a default changed)"""
+    deploy_episodes: int = 0
+    """> 0: only the deploy stack. `groundflow serve` serves the trained policy, and `evaluate_via_server`
+    drives the simulated arm through the client, control loop and safety layer. After each reset the
+    client sends the scene's obstacles as deploy-time constraints (the server's defaults:
+    ``policies.constraints.ArmGuidance``). Unguided through the same stack is the reference. Writes
+    ``collision_deploy``."""
 
 
 def main() -> None:
@@ -130,6 +138,8 @@ def main() -> None:
         train(TrainArgs(data=(data,), policy="flow", steps=a.train_steps, horizon=8, n_exec=4, out=out,
                         wandb="disabled", progress=False, seed=a.seed))
     pol = policies.load(out / "ckpt")
+    if a.deploy_episodes > 0:
+        return _deploy(a, out / "ckpt")
     if a.final_seed != FINAL_SEED:
         return _recheck(a, pol)
     t0 = time.time()
@@ -218,6 +228,33 @@ def _recheck(a: Args, pol: Any) -> None:
         print(f"{m}@{a.final_seed}: success {r['success_rate']:.2f} {r['success_ci95']}, collisions "
               f"{r['collision_rate']:.2f} {r['collision_ci95']}, holds {r.get('hold_rate', 0):.2f}", flush=True)
     merge_json(RESULTS / "guidance.json", {"collision_rechecks": checks})
+
+
+def _deploy(a: Args, ckpt: Path) -> None:
+    """The policy behind `groundflow serve` on the simulated arm, on the same episodes (``a.final_seed``
+    on): with the scene's obstacles sent as constraints (``ArmGuidance``'s defaults, and without the check's
+    coast), and unguided."""
+    import dataclasses
+    from deploy.evaluate import evaluate_via_server
+    rows: dict[str, Any] = {}
+    for name, obstacles, settings in (("constrained", "scene", None),
+                                      ("constrained_no_coast", "scene", ArmGuidance(coast=0.0)),
+                                      ("unguided", None, None)):
+        t0 = time.time()
+        with served(ckpt) as port:
+            r = evaluate_via_server(ENV, f"127.0.0.1:{port}", a.deploy_episodes, seed=a.final_seed,
+                                    env_options={"obstacles": "random"}, obstacles=obstacles, guidance=settings,
+                                    max_steps=60)
+        eps = r.pop("episodes")
+        r.pop("record", None)
+        r.update(minutes=(time.time() - t0) / 60, holds_per_episode=float(np.mean([e["constraint_holds"] for e in eps])),
+                 timeouts=sum(not e["success"] and not e["collided"] for e in eps))
+        rows[name] = r
+        print(f"through the deploy stack, {name}: success {r['success_rate']:.2f} {r['ci95']}, collisions "
+              f"{r['collision_rate']:.2f} {r['collision_ci95']}, round trip p50 {r['rtt_p50_ms']:.1f} ms", flush=True)
+    old = json.loads((RESULTS / "guidance.json").read_text()).get("collision_deploy", {})
+    old.update({str(a.final_seed): rows, "defaults": dataclasses.asdict(ArmGuidance()), "machine": machine()})
+    merge_json(RESULTS / "guidance.json", {"collision_deploy": old})
 
 
 def _add_cis(r: dict[str, Any]) -> dict[str, Any]:

@@ -1265,8 +1265,8 @@ def case_client_garbage_chunks(tmp: Path) -> Result:
         """Sends ``garbage`` instead of the policy's chunk, unchecked: an old or broken server."""
         garbage: np.ndarray | None = None
 
-        def _reply(self, raw, t0):
-            reply = super()._reply(raw, t0)
+        def _reply(self, raw, t0, session=None):
+            reply = super()._reply(raw, t0, session)
             if reply["type"] == "chunk" and self.garbage is not None:
                 reply["actions"] = self.garbage
             return reply

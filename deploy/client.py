@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from deploy import protocol
-from deploy.errors import HandshakeError, InstructionRefusedError, PolicyUnavailableError, ProtocolError, ServerError
-from deploy.inference import infer_chunk, policy_metadata, resolve_obs_instruction
+from deploy.errors import (ConstraintRefusedError, HandshakeError, InstructionRefusedError, PolicyUnavailableError,
+                           ProtocolError, ServerError)
+from deploy.inference import can_constrain, infer_chunk, infer_constrained, policy_metadata, resolve_obs_instruction
 from envs.errors import InvalidOptionError
 from policies.rtc import RTCConfig
 
@@ -49,6 +50,8 @@ it a chunk is refused even when neither the server nor the caller gives bounds""
 class ChunkReply:
     actions: np.ndarray
     timing: dict[str, float] = field(default_factory=dict)
+    hold: str | None = None
+    """why the robot must hold instead (no chunk passed the constraints' check; ``actions`` is empty)"""
 
 
 def parse_address(address: str, default_port: int = 8000) -> tuple[str, int]:
@@ -98,6 +101,8 @@ class PolicyClient:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._failed: str | None = None
+        self.constraints: Any = None
+        """the obstacles this client set (``set_constraints``), sent again after a reconnect"""
         if connect:
             self.connect()
 
@@ -148,6 +153,8 @@ class PolicyClient:
         self.metadata = meta
         self.server_bounds = _announced_bounds(meta)
         self._failed = None
+        if self.constraints is not None:  # a new connection starts without them
+            self.set_constraints(self.constraints)
         return meta
 
     def _check_expectations(self, meta: dict[str, Any]) -> None:
@@ -221,12 +228,29 @@ class PolicyClient:
         if seed is not None:
             msg["seed"] = int(seed)
         reply, rtt = self._request(msg)
-        actions = check_reply_chunk(reply.get("actions"), self.metadata, self.server_bounds, self.action_bounds)
         timing = {k: float(v) for k, v in (reply.get("timing") or {}).items() if isinstance(v, (int, float))}
         timing["rtt_ms"] = rtt * 1e3
         timing["encode_ms"] = encode_ms
         timing["overhead_ms"] = timing["rtt_ms"] - timing.get("infer_ms", 0.0)
+        if reply.get("type") == "hold" and self.constraints is not None:
+            reason = reply.get("reason")
+            return ChunkReply(np.zeros((0, self.metadata["action_dim"]), np.float32), timing,
+                              hold=reason if isinstance(reason, str) and reason else "the server asked for a hold")
+        actions = check_reply_chunk(reply.get("actions"), self.metadata, self.server_bounds, self.action_bounds)
         return ChunkReply(actions, timing)
+
+    def set_constraints(self, constraints: Any) -> None:
+        """Obstacles every later request is guided around and checked against
+        (``policies.constraints.ArmConstraints``; None clears them). A reply may then be a hold
+        (``ChunkReply.hold``). Raises ``ServerError`` when the server refuses them (bad geometry, a
+        policy it cannot guide)."""
+        if constraints is not None and not self.metadata.get("constraints"):
+            raise ServerError(f"the policy server at {self.uri} takes no obstacles (its policy is "
+                              f"{self.metadata.get('policy_kind') or 'unknown'}; guidance needs a flow policy)",
+                              "bad_request")
+        msg = {"type": "constraints", **(constraints.to_message() if constraints is not None else {"obstacles": []})}
+        self._request(msg)
+        self.constraints = constraints
 
     def reset(self) -> None:
         """Tell the server a new episode starts (clears the policy's cached chunk)."""
@@ -280,7 +304,8 @@ class PolicyClient:
             rtt = time.perf_counter() - t0
         if reply.get("type") == "error":
             code, reason = reply.get("code"), reply.get("reason")
-            cls = InstructionRefusedError if code == "unknown_instruction" else ServerError
+            cls = {"unknown_instruction": InstructionRefusedError,
+                   "unsatisfiable": ConstraintRefusedError}.get(code, ServerError)
             raise cls(f"policy server error ({code}): {reply.get('message')}", code,
                       reason if isinstance(reason, str) else None)
         return reply, rtt
@@ -339,14 +364,33 @@ class LocalPolicy:
         self.bounds = _announced_bounds(self.metadata)
         self.rtc_config = rtc or RTCConfig()
         self.healthy = True
+        self.constraints: Any = None
 
     def infer(self, obs: dict[str, Any], *, prefix: np.ndarray | None = None, frozen: int = 0,
               seed: int | None = None) -> ChunkReply:
         t0 = time.perf_counter()
-        actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config, self.allow_unknown)
+        hold = None
+        if self.constraints is None:
+            actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config, self.allow_unknown)
+        else:
+            if prefix is not None:
+                raise InvalidOptionError("a request under obstacles cannot continue a prefix (real-time chunking)")
+            planned = infer_constrained(self.policy, obs, self.constraints, seed, self.allow_unknown)
+            actions, hold = planned.actions, planned.why or None
         ms = (time.perf_counter() - t0) * 1e3
-        return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"], self.bounds),
-                          {"infer_ms": ms, "rtt_ms": ms, "overhead_ms": 0.0})
+        timing = {"infer_ms": ms, "rtt_ms": ms, "overhead_ms": 0.0}
+        if actions is None:
+            return ChunkReply(np.zeros((0, self.metadata["action_dim"]), np.float32), timing, hold=hold)
+        return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"], self.bounds), timing)
+
+    def set_constraints(self, constraints: Any) -> None:
+        """As ``PolicyClient.set_constraints``, in process."""
+        if constraints is not None:
+            why = can_constrain(self.policy)
+            if why is not None:
+                raise InvalidOptionError(why)
+            constraints.check_state(self.metadata["state_dim"])
+        self.constraints = constraints
 
     def resolve_instruction(self, text: str) -> str | None:
         """As ``PolicyClient.resolve_instruction``, in process (``UnknownInstructionError`` on refusal)."""

@@ -13,6 +13,10 @@ The served checkpoint resolves a user's wording to one of its trained instructio
 (``policies.instructions``). ``deploy --instruction`` asks the server first: a refused instruction
 sends no motion (the robot holds still), prints one line with the reason and exits with status
 ``EXIT_INSTRUCTION_REFUSED`` (3; 1 is any other error, 2 a bad flag, 130 an interrupt).
+
+``deploy --obstacles FILE|scene`` sends obstacles the policy never saw; the server guides each chunk
+around them and checks its waypoints, and a chunk that fails is not sent (the robot holds and asks
+again). A goal inside an obstacle sends no motion and exits with ``EXIT_CONSTRAINT_REFUSED`` (4).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import policies
 from deploy.cameras import CameraRig, parse_cameras
 from deploy.client import parse_address, robot_client
 from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
-from deploy.errors import (EXIT_INSTRUCTION_REFUSED, DeployError, HandshakeError, InstructionRefusedError,
+from deploy.errors import (EXIT_CONSTRAINT_REFUSED, EXIT_INSTRUCTION_REFUSED, DeployError, HandshakeError, InstructionRefusedError,
                            PolicyUnavailableError)
 from deploy.franka import FrankaRobot
 from deploy.franka_sim import FrankySim
@@ -157,10 +161,18 @@ class DeployArgs:
     """x y z radius [x y z radius ...]: spheres (m, robot base frame) the TCP must stay out of; a target
     landing inside one is rejected and the robot holds (needs forward kinematics: franka). Make the radius
     cover the hand around the TCP"""
+    obstacles: str | None = None
+    """obstacles the policy never saw, guided around and checked on the policy server: a JSON file listing
+    {"type": "box", "center": [x, y, z], "half_size": [hx, hy, hz]} or {"type": "sphere", "center", "radius"}
+    (m, robot base frame), or `scene` (--robot sim: the simulated scene's, read at each reset). A chunk that
+    fails the check is not sent: the robot holds and asks again. A goal inside an obstacle: no motion, exit 4"""
     relative_dynamics: float = 0.2
     """franka: relative dynamics factor"""
     sim_cameras: tuple[str, ...] = ()
     """--robot sim: cameras the simulated robot renders into its observations (a pixel policy needs them)"""
+    sim_obstacles: Literal["box", "sphere", "random"] | None = None
+    """--robot sim on maniskill/CollisionAvoidance-v1: obstacles the scene places across the path each episode
+    (with --obstacles scene the server is told where they are)"""
     sim_image_size: int = 128
     """--robot sim: side of the rendered --sim-cameras images in pixels"""
     camera: tyro.conf.UseAppendAction[tuple[str, ...]] = ()
@@ -239,6 +251,8 @@ def _make_driver(args: DeployArgs, stack: list):
         opts = {k: v for k, v in (("control_mode", args.control_mode), ("robot_uids", args.sim_robot)) if v}
         if args.sim_cameras:
             opts.update(cameras=tuple(args.sim_cameras), image_size=args.sim_image_size)
+        if args.sim_obstacles:
+            opts["obstacles"] = args.sim_obstacles
         return SimRobot(args.env, env_options=opts, seed=args.seed, latency_s=args.latency_ms / 1e3,
                         obs_noise=args.obs_noise, action_delay=args.action_delay, realtime=not args.lockstep)
     if args.robot == "franka":
@@ -308,6 +322,40 @@ def _check_instruction(client, args: DeployArgs) -> str | None:
     return resolved
 
 
+def _read_obstacles(path: str | None) -> list[dict] | str | None:
+    """``--obstacles``: None, "scene", or the file's list (a clear error for a missing or malformed one)."""
+    if path is None or path == "scene":
+        return path
+    from policies.constraints import parse_obstacles
+    try:
+        items = json.loads(open(path).read())
+    except OSError as e:
+        raise InvalidOptionError(f"--obstacles {path}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise InvalidOptionError(f"--obstacles {path}: not JSON ({e})") from None
+    parse_obstacles(items)  # each item named where it is wrong
+    return items
+
+
+def _set_obstacles(client, robot, obstacles: list[dict] | str | None, args: DeployArgs) -> None:
+    """Send ``--obstacles`` for the episode about to start. A goal no motion can reach without a
+    collision sends nothing: one line, the robot holds still, exit ``EXIT_CONSTRAINT_REFUSED``."""
+    if obstacles is None:
+        return
+    from policies.constraints import unsatisfiable
+    make = getattr(robot, "arm_constraints", None)
+    if make is None:
+        raise InvalidOptionError(f"--obstacles needs the arm's body and end-effector step, which robot {args.robot} "
+                                 "does not describe yet (--robot sim on maniskill/CollisionAvoidance-v1 does)")
+    c = make(None if obstacles == "scene" else obstacles)
+    why = unsatisfiable(c, robot.get_observation()["state"])
+    if why:
+        client.close()
+        print(f"groundflow deploy: obstacles refused, no motion sent: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONSTRAINT_REFUSED)
+    client.set_constraints(c)
+
+
 def deploy(argv: list[str]) -> None:
     args = tyro.cli(DeployArgs, args=argv, prog="groundflow deploy")
     args.check()
@@ -329,6 +377,7 @@ def deploy(argv: list[str]) -> None:
                 client.close()
                 raise
         resolved = _check_instruction(client, args)  # before anything moves
+        obstacles = _read_obstacles(args.obstacles)
         ws = args.workspace
         if len(args.keep_out) % 4:
             raise InvalidOptionError(f"--keep-out takes x y z radius per sphere (a multiple of 4 numbers); got "
@@ -360,6 +409,7 @@ def deploy(argv: list[str]) -> None:
                 for i in range(args.episodes):
                     if hasattr(robot, "reset") and (i > 0 or commanded):
                         robot.reset(args.seed + i, options=commanded)
+                    _set_obstacles(client, robot, obstacles, args)
                     try:
                         res = loop.run_episode(seed=args.seed + i, task_id=getattr(robot, "task_id", 0))  # 0: arm
                     except PolicyUnavailableError as e:  # no server to (re)connect to: keep what was recorded

@@ -205,6 +205,8 @@ class _Episode:
     """why the policy connection was lost (None: connected)"""
     failing: str | None = None
     """the last request error since the last chunk was adopted"""
+    constraint_hold: str | None = None
+    """why the server's last reply was a hold (no chunk passed the constraints' check); None after a chunk"""
     error: str | None = None
     """the exception that ended the episode"""
 
@@ -341,8 +343,7 @@ class ControlLoop:
                 episode.rtts.append(reply.timing.get("rtt_ms", request_s * 1e3))
                 episode.infers.append(reply.timing.get("infer_ms", 0.0))
                 episode.lat_steps = self._lat_steps(float(np.median(episode.rtts[-10:])) / 1e3)
-                self._adopt(plan, ens, reply.actions, start_step, step)
-                episode.failing = None
+                self._take(episode, reply, start_step, step)
             if self._need_chunk(plan, ens, step, episode.lat_steps + cfg.margin_steps):
                 prefix = plan.future(step) if cfg.rtc else None
                 fetcher.submit(episode.obs, step, prefix, episode.lat_steps, self._seed(step))
@@ -352,10 +353,21 @@ class ControlLoop:
                 reply = self.source.infer(episode.obs, prefix=prefix, frozen=0, seed=self._seed(step))
                 episode.rtts.append(reply.timing.get("rtt_ms", 0.0))
                 episode.infers.append(reply.timing.get("infer_ms", 0.0))
-                self._adopt(plan, ens, reply.actions, step, step)
-                episode.failing = None
+                self._take(episode, reply, step, step)
             except DeployError as e:
                 self._request_failed(episode, e)
+
+    def _take(self, episode: _Episode, reply: ChunkReply, start: int, now: int) -> None:
+        """Adopt a reply's chunk, or note the hold it asks for (the plan runs out, the robot holds, and
+        the next tick asks again)."""
+        episode.failing = None
+        episode.constraint_hold = getattr(reply, "hold", None)
+        if episode.constraint_hold is None:
+            self._adopt(episode.plan, episode.ens, reply.actions, start, now)
+        else:  # nothing of an earlier plan runs on past a hold: it was checked from another state
+            episode.plan.chunk = None
+            if episode.ens is not None:
+                episode.ens.chunks.clear()
 
     def _request_failed(self, episode: _Episode, err: DeployError) -> None:
         """A synchronous chunk request failed: count it, keep the plan, and ask again next tick."""
@@ -383,6 +395,9 @@ class ControlLoop:
         if safety.stop_requested:
             episode.stop_at = episode.stop_at or t_tick
             cmd = safety.hold("")
+            episode.holds.append(step)
+        elif action is None and healthy and episode.constraint_hold is not None:  # asked for, not a failure
+            cmd = safety.hold("constraint", episode.constraint_hold)
             episode.holds.append(step)
         elif action is None or not healthy:
             why = ("no fresh action (plan used up)" if healthy else

@@ -43,9 +43,18 @@ class InstructionRefusedError(ServerError):
     ground it. ``groundflow deploy`` sends no motion and exits with ``EXIT_INSTRUCTION_REFUSED``."""
 
 
+class ConstraintRefusedError(ServerError):
+    """The policy server cannot meet the deploy-time constraints (``unsatisfiable``: the goal lies inside
+    an obstacle). ``groundflow deploy`` holds the robot and exits with ``EXIT_CONSTRAINT_REFUSED``."""
+
+
 EXIT_INSTRUCTION_REFUSED = 3
 """``groundflow deploy``'s exit status when the server refuses ``--instruction`` before any motion
 (1: any other error in one line, 2: a bad flag, 130: interrupted)"""
+
+
+EXIT_CONSTRAINT_REFUSED = 4
+"""``groundflow deploy``'s exit status when the server refuses its constraints (a goal inside an obstacle)"""
 
 
 class PolicyUnavailableError(DeployError, ConnectionError):

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from deploy import protocol
+from deploy.errors import ConstraintRefusedError
 from policies.rtc import RTCConfig
 
 
@@ -86,3 +87,29 @@ def infer_chunk(policy: Any, obs: dict[str, Any], prefix: np.ndarray | None = No
     if prefix is not None:  # only then: scripted policies need not know the RTC arguments
         kwargs.update(prefix=prefix, frozen=frozen, rtc=rtc)
     return np.asarray(policy.predict_action_chunk(obs, **kwargs), dtype=np.float32)
+
+
+def can_constrain(policy: Any) -> str | None:
+    """Why ``policy`` cannot take deploy-time obstacles (None: it can): guidance steers a flow policy's
+    sampler, so it needs one with ``sample_chunks`` and a normalizer."""
+    if not (hasattr(policy, "sample_chunks") and hasattr(policy, "normalizer") and hasattr(policy, "obs_to_batch")
+            and getattr(policy.config, "kind", "") == "flow"):
+        return (f"obstacles at deploy time steer a flow policy's sampler; this one is "
+                f"{getattr(policy.config, 'kind', type(policy).__name__)!r}")
+    return None
+
+
+def infer_constrained(policy: Any, obs: dict[str, Any], constraints: Any, seed: int | None = None,
+                      allow_unknown: bool = False) -> Any:
+    """``policies.constraints.constrained_chunk`` for one observation, its instruction resolved as
+    ``infer_chunk`` resolves it: a chunk (env units) or a hold with its reason. A goal inside an
+    obstacle raises ``ConstraintRefusedError``."""
+    from policies.constraints import UnsatisfiableError, constrained_chunk
+    obs = resolve_obs_instruction(policy, obs, allow_unknown)
+    if seed is not None:
+        seed_everything(seed)
+    policy.eval()
+    try:
+        return constrained_chunk(policy, obs, constraints)
+    except UnsatisfiableError as e:
+        raise ConstraintRefusedError(str(e), "unsatisfiable") from None

@@ -17,6 +17,12 @@ Messages (``type`` field):
     server -> client             {"type": "chunk", "id", "actions": (H, A) float32,
                                   "timing": {"decode_ms", "infer_ms", "server_ms"}}
     client -> server             {"type": "reset"}  -> {"type": "reset_ok"}
+    client -> server             {"type": "constraints", "obstacles": [...], "body", "ee_delta_scale",
+                                  "tcp_index", "goal_index"} -> {"type": "constraints_ok", "obstacles": n}
+                                 (``policies.constraints.ArmConstraints``; "obstacles": [] clears them).
+                                 Then each infer is guided around the obstacles and checked, and may get
+                                 {"type": "hold", "id", "reason", "timing"}: no chunk passed the check,
+                                 the robot holds and asks again
     server -> client on failure  {"type": "error", "id"?, "code", "message"}; ``code`` is one of
                                  ERROR_CODES, so a client can tell its own mistakes from the server's
 
@@ -67,6 +73,7 @@ ERROR_CODES = {
     "bad_request": "a malformed request (wrong shapes, types, an over-long instruction, ...)",
     "unknown_instruction": "the policy was not trained on this instruction and serves no paraphrases",
     "inference_failed": "the policy raised, or produced a chunk that is not finite or far out of its range",
+    "unsatisfiable": "the constraints cannot be met (e.g. the goal lies inside an obstacle)",
 }
 IMAGE_ENCODINGS = ("raw", "png", "jpeg")
 """how a client may send images: raw uint8 arrays, or PNG / JPEG files (``encode_image``)"""

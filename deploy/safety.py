@@ -46,7 +46,8 @@ from envs.errors import InvalidOptionError
 log = logging.getLogger("groundflow.deploy.safety")
 
 INTERVENTIONS = ("shape", "nonfinite", "far_out_of_limits", "limit_clip", "limit_reject", "workspace", "keep_out",
-                 "velocity", "acceleration", "braking", "watchdog", "stop_signal", "driver_error")
+                 "velocity", "acceleration", "braking", "watchdog", "stop_signal", "driver_error", "constraint")
+"""``constraint``: a hold the policy server asked for (no chunk passed the deploy-time obstacles' check)"""
 REJECTING = {"shape", "nonfinite", "far_out_of_limits", "limit_reject", "workspace", "keep_out"}
 
 

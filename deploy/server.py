@@ -47,10 +47,11 @@ from typing import Any
 import numpy as np
 
 from deploy import protocol
-from deploy.errors import ProtocolError, ServerAddressError
-from deploy.inference import action_bounds, infer_chunk, policy_metadata
+from deploy.errors import ConstraintRefusedError, ProtocolError, ServerAddressError
+from deploy.inference import action_bounds, can_constrain, infer_chunk, infer_constrained, policy_metadata
 from envs.errors import InvalidOptionError
 from deploy.inference import resolve_obs_instruction
+from policies.constraints import ArmConstraints
 from policies.instructions import UnknownInstructionError
 from policies.model import NULL_INSTRUCTION, instruction_resolver
 from policies.rtc import RTCConfig
@@ -152,6 +153,7 @@ class PolicyServer:
         self.metadata = policy_metadata(policy, self.max_message_bytes, action_margin)
         self.image_encodings = image_encodings
         self.metadata["image_encodings"] = list(image_encodings)  # a client asking for another is refused
+        self.metadata["constraints"] = can_constrain(policy) is None  # obstacles a client may send
         self.rtc = self.metadata["rtc"]
         self.bounds = action_bounds(policy, action_margin)
         self.hello_timeout_s = float(hello_timeout_s)
@@ -352,6 +354,7 @@ class PolicyServer:
             self._forget(ws)
             self.stats["connections"] += 1
             ws.send(protocol.pack({"type": "ready"}))
+            session: dict[str, Any] = {"constraints": None}  # what this client set (obstacles)
             while True:
                 try:
                     raw = ws.recv(timeout=self.idle_timeout_s)
@@ -360,7 +363,7 @@ class PolicyServer:
                     ws.close(1000, f"idle for more than {self.idle_timeout_s:g} s")
                     return
                 t0 = time.perf_counter()
-                ws.send(protocol.pack(self._reply(raw, t0)))
+                ws.send(protocol.pack(self._reply(raw, t0, session)))
         except ConnectionClosed:
             return
         finally:
@@ -378,7 +381,9 @@ class PolicyServer:
         except ConnectionClosed:
             pass
 
-    def _reply(self, raw: bytes, t0: float) -> dict[str, Any]:
+    def _reply(self, raw: bytes, t0: float, session: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The reply to one message; ``session`` holds what the connection set (its constraints)."""
+        session = {"constraints": None} if session is None else session
         req_id = None
         try:
             msg = protocol.unpack(raw, self.max_message_bytes)
@@ -391,8 +396,11 @@ class PolicyServer:
                 return {"type": "reset_ok", "id": req_id}
             if kind == "resolve":
                 return self._resolve_only(msg.get("instruction"), req_id)
+            if kind == "constraints":
+                return self._set_constraints(msg, req_id, session)
             if kind != "infer":
-                raise ProtocolError(f"unknown message type {kind!r}; valid: 'infer', 'reset', 'resolve'")
+                raise ProtocolError(f"unknown message type {kind!r}; valid: 'infer', 'reset', 'resolve', "
+                                    "'constraints'")
             # encoded images are decoded here, each at most as many pixels as a raw one within the limit
             obs = protocol.check_observation(msg.get("obs"), self.metadata["state_dim"],
                                              tuple(self.metadata["cameras"]), image_encodings=self.image_encodings,
@@ -412,6 +420,9 @@ class PolicyServer:
                     raise ProtocolError("prefix must be finite floats")
             if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
                 raise ProtocolError(f"seed must be an integer, got {seed!r}")
+            if prefix is not None and session["constraints"] is not None:
+                raise ProtocolError("a request under obstacles cannot continue a prefix (real-time chunking): "
+                                    "each constrained chunk is planned and checked afresh")
         except ProtocolError as e:
             self.stats["errors"] += 1
             return {"type": "error", "id": req_id, "code": "bad_request", "message": str(e)}
@@ -422,10 +433,28 @@ class PolicyServer:
             return _refused(req_id, e)
         hold = getattr(self.lang, "hold", None)
         with hold(obs["instruction"]) if hold is not None else contextlib.nullcontext():
-            return self._infer(obs, prefix, frozen, seed, req_id, t0)
+            return self._infer(obs, prefix, frozen, seed, req_id, t0, session["constraints"])
+
+    def _set_constraints(self, msg: dict[str, Any], req_id: Any, session: dict[str, Any]) -> dict[str, Any]:
+        """Reply to ``constraints``: obstacles (``policies.constraints.ArmConstraints``) every later
+        request of this connection is guided around and checked against; an empty list clears them."""
+        if msg.get("obstacles") == []:
+            session["constraints"] = None
+            return {"type": "constraints_ok", "id": req_id, "obstacles": 0}
+        why = can_constrain(self.policy)
+        try:
+            if why is not None:
+                raise InvalidOptionError(why)
+            c = ArmConstraints.from_message(msg)
+            c.check_state(self.metadata["state_dim"])
+        except InvalidOptionError as e:
+            self.stats["errors"] += 1
+            return {"type": "error", "id": req_id, "code": "bad_request", "message": f"constraints: {e}"}
+        session["constraints"] = c
+        return {"type": "constraints_ok", "id": req_id, "obstacles": len(c.obstacles)}
 
     def _infer(self, obs: dict[str, Any], prefix: Any, frozen: int, seed: int | None, req_id: Any,
-               t0: float) -> dict[str, Any]:
+               t0: float, constraints: Any = None) -> dict[str, Any]:
         """A valid request's reply; its instruction stays cached from its encoding (outside the
         inference lock) to its inference (``_reply`` holds it)."""
         try:
@@ -441,13 +470,25 @@ class PolicyServer:
         try:
             with self._lock:
                 t2 = time.perf_counter()
-                actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config, self.allow_unknown)
+                if constraints is None:
+                    actions = infer_chunk(self.policy, obs, prefix, frozen, seed, self.rtc_config, self.allow_unknown)
+                else:
+                    planned = infer_constrained(self.policy, obs, constraints, seed, self.allow_unknown)
+                    actions = planned.actions
                 t3 = time.perf_counter()
+            timing = {"decode_ms": (t1 - t0) * 1e3, "queue_ms": (t2 - t1) * 1e3, "infer_ms": (t3 - t2) * 1e3}
+            if actions is None:  # no chunk passed the check: the robot holds and asks again
+                self.stats["requests"] += 1
+                return {"type": "hold", "id": req_id, "reason": planned.why,
+                        "timing": {**timing, "server_ms": (time.perf_counter() - t0) * 1e3}}
             actions = np.asarray(actions, dtype=np.float32)
             if actions.ndim != 2 or actions.shape[1] != self.metadata["action_dim"]:
                 raise ValueError(f"policy returned actions of shape {actions.shape}, expected (H, {self.metadata['action_dim']})")
             # absurd states or prefixes give NaN or 1e30 chunks: never send them as a plan
             actions = protocol.check_chunk(actions, self.metadata["action_dim"], self.bounds)
+        except ConstraintRefusedError as e:  # the constraints cannot be met (a goal inside an obstacle)
+            self.stats["errors"] += 1
+            return {"type": "error", "id": req_id, "code": "unsatisfiable", "message": str(e)}
         except Exception as e:  # inference errors are the policy's, reported, not fatal
             self.stats["errors"] += 1
             if isinstance(e, ProtocolError):
@@ -457,8 +498,7 @@ class PolicyServer:
             return {"type": "error", "id": req_id, "code": "inference_failed", "message": f"{type(e).__name__}: {e}"}
         self.stats["requests"] += 1
         return {"type": "chunk", "id": req_id, "actions": actions,
-                "timing": {"decode_ms": (t1 - t0) * 1e3, "queue_ms": (t2 - t1) * 1e3,
-                           "infer_ms": (t3 - t2) * 1e3, "server_ms": (time.perf_counter() - t0) * 1e3}}
+                "timing": {**timing, "server_ms": (time.perf_counter() - t0) * 1e3}}
 
     def _resolve_only(self, text: Any, req_id: Any) -> dict[str, Any]:
         """Reply to ``resolve``: the instruction an ``infer`` with ``text`` would condition the policy

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 import envs
+from envs.base import state_slices
 from deploy.robot import Obs, RobotSpec, check_connected
 from envs.errors import InvalidOptionError
 
@@ -112,6 +113,28 @@ class SimRobot:
             self._thread = threading.Thread(target=self._run, name="SimRobot-realtime", daemon=True)
             self._thread.start()
         return self.get_observation()
+
+    def arm_constraints(self, obstacles: list[dict] | None = None, settings: Any = None) -> Any:
+        """``policies.constraints.ArmConstraints`` for ``obstacles`` (None: the ones in the simulated scene,
+        as a user who measured the cell would list them): the robot's body (boxes around the hand,
+        relative to the TCP, read from its collision shapes now), its end-effector step per unit action,
+        and where the state holds the TCP and the goal; ``settings`` an ``ArmGuidance`` (None: its
+        defaults). Envs without that geometry (only the collision-avoidance task has it) get an
+        ``InvalidOptionError``."""
+        from policies.constraints import ArmConstraints, ArmGuidance
+        check_connected(self)
+        raw = getattr(self.env, "raw", None)
+        layout = dict(state_slices(getattr(self.env, "state_layout", None)))
+        if not (hasattr(raw, "body_boxes") and hasattr(raw, "ee_delta_scale") and "extra/tcp_pose" in layout):
+            raise InvalidOptionError(f"{self._env_id} does not describe its arm's body and end-effector step, so "
+                                     "deploy-time obstacles cannot be guided around there (the collision-avoidance "
+                                     "task does)")
+        with self._lock:
+            found = raw.obstacle_list() if obstacles is None else obstacles
+            body = tuple((tuple(map(float, lo)), tuple(map(float, hi))) for lo, hi in raw.body_boxes())
+        goal = layout.get("extra/goal_pos")
+        return ArmConstraints(tuple(found), body, float(raw.ee_delta_scale), layout["extra/tcp_pose"][0],
+                              None if goal is None else goal[0], settings or ArmGuidance())
 
     def sim_state(self) -> np.ndarray | None:
         with self._lock:

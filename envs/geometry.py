@@ -1,4 +1,5 @@
-"""Small rotation helpers the scripted experts share (kitchen suite, LIBERO)."""
+"""Small geometry helpers: rotations the scripted experts share (kitchen suite, LIBERO) and points on a
+box's surface (a robot's body for the collision cost and check)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,16 @@ def rotvec(R: np.ndarray) -> np.ndarray:
         _, v = np.linalg.eigh((R + np.eye(3)) / 2)
         return v[:, -1] * angle
     return axis / n * angle
+
+
+def box_surface(lo: np.ndarray, hi: np.ndarray, spacing: float) -> np.ndarray:
+    """(P, 3) points on the surface of the box [lo, hi], at most ``spacing`` apart along each axis."""
+    axes = [np.linspace(a, b, max(2, int(np.ceil((b - a) / spacing)) + 1)) for a, b in zip(lo, hi)]
+    grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1)
+    on_face = np.zeros(grid.shape[:3], bool)
+    for d in range(3):
+        idx = [slice(None)] * 3
+        for end in (0, -1):
+            idx[d] = end
+            on_face[tuple(idx)] = True
+    return grid[on_face]

@@ -260,8 +260,8 @@ class LyingServer(PolicyServer):
 
     garbage: np.ndarray | None = None
 
-    def _reply(self, raw, t0):
-        reply = super()._reply(raw, t0)
+    def _reply(self, raw, t0, session=None):
+        reply = super()._reply(raw, t0, session)
         if reply["type"] == "chunk" and self.garbage is not None:
             reply["actions"] = self.garbage
         return reply

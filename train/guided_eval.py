@@ -17,20 +17,13 @@ import torch
 import envs
 import guidance
 from envs.errors import InvalidOptionError
-from guidance.costs import EEPath, GoalCost, ObstacleCost
-from guidance.geometry import Box, Sphere
+from policies.constraints import parse_obstacles, path_check, path_cost, unreachable_goal
 from policies.selection import ChunkCheck, choose_chunk
 
 
 def obstacles_of(raw: Any) -> list:
-    out = []
-    for obstacle in raw.obstacle_list():
-        if obstacle["type"] == "box":
-            out.append(Box(torch.as_tensor(obstacle["center"], dtype=torch.float32),
-                           torch.as_tensor(obstacle["half_size"], dtype=torch.float32)))
-        else:
-            out.append(Sphere(torch.as_tensor(obstacle["center"], dtype=torch.float32), float(obstacle["radius"])))
-    return out
+    """The env's obstacles as guidance ``Box``/``Sphere`` objects."""
+    return parse_obstacles(raw.obstacle_list())
 
 
 # Key points of the Panda gripper relative to the TCP in this task (hand pointing down, turned 90
@@ -56,32 +49,6 @@ def _body(raw: Any, body: Any, spacing: float = LINK_SPACING) -> Any:
     return raw.body_points(spacing) if isinstance(body, str) and body == LINKS else body
 
 
-class BodyPath:
-    """The gripper's key points along a chunk's TCP path: (B, H, 3) -> (B, H * P, 3)."""
-
-    def __init__(self, path: EEPath, offsets: Any = GRIPPER_POINTS) -> None:
-        self.path, self.offsets = path, torch.as_tensor(np.asarray(offsets), dtype=torch.float32)
-
-    def check(self, event_shape: tuple[int, ...]) -> None:
-        self.path.check(event_shape)
-
-    def __call__(self, chunk: torch.Tensor) -> torch.Tensor:
-        tcp_path = self.path(chunk)
-        return (tcp_path[:, :, None, :] + self.offsets.to(tcp_path)).flatten(1, 2)
-
-
-def unreachable_goal(goal: Any, obstacles: list, body: Any) -> str | None:
-    """Why no path can end at ``goal`` with the gripper (``body`` points around the TCP) outside
-    every obstacle, or None: a constraint the robot cannot satisfy is refused, not chased."""
-    points = torch.as_tensor(np.asarray(goal) + np.asarray(body), dtype=torch.float32)[None]
-    for k, o in enumerate(obstacles):
-        depth = float(o.sdf(points).min())
-        if depth < 0:
-            return (f"the goal {np.round(np.asarray(goal, float), 3).tolist()} puts the gripper {-depth * 100:.1f} cm "
-                    f"inside obstacle {k} ({type(o).__name__}): no motion can reach it without a collision")
-    return None
-
-
 def obstacle_cost(policy: Any, raw: Any, margin: float, weight: float = 1e4, goal_weight: float = 0.0,
                   body: Any = GRIPPER_POINTS, obstacles: list | None = None):
     """Obstacle cost on the gripper's key points along the chunk's TCP path (``body``; TCP_ONLY
@@ -99,14 +66,8 @@ def obstacle_cost(policy: Any, raw: Any, margin: float, weight: float = 1e4, goa
     why = unreachable_goal(goal, obs, GRIPPER_POINTS) if goal_weight > 0 else None
     if why:
         raise InvalidOptionError(why)
-    path = EEPath(torch.as_tensor(tcp, dtype=torch.float32), raw.ee_delta_scale)
-    unnorm = policy.normalizer.unaction
-    body_path = BodyPath(path, points)
-    cost = ObstacleCost(lambda x: body_path(unnorm(x)), obs, margin=margin, weight=weight)
-    if goal_weight > 0:
-        cost = cost + GoalCost(lambda x: path(unnorm(x)), torch.as_tensor(goal, dtype=torch.float32),
-                               weight=goal_weight)
-    return cost
+    return path_cost(policy, tcp, raw.ee_delta_scale, points, obs, margin, weight=weight, goal=goal,
+                     goal_weight=goal_weight)
 
 
 def hard_check(policy: Any, raw: Any, clearance: float, body: Any = GRIPPER_POINTS,
@@ -119,12 +80,7 @@ def hard_check(policy: Any, raw: Any, clearance: float, body: Any = GRIPPER_POIN
     if not obs:
         return None
     tcp, _ = raw.tcp_and_goal()
-    body_path = BodyPath(EEPath(torch.as_tensor(tcp, dtype=torch.float32), raw.ee_delta_scale),
-                         _body(raw, body, CHECK_SPACING))
-    unnorm = policy.normalizer.unaction
-    # the env clips each action to [-1, 1] before the controller sees it: check the path it will take
-    geometry = ObstacleCost(lambda x: body_path(unnorm(x).clamp(-1.0, 1.0)), obs)
-    return lambda x: geometry.clearance(x) >= clearance
+    return path_check(policy, tcp, raw.ee_delta_scale, _body(raw, body, CHECK_SPACING), obs, clearance)
 
 
 def _plan(policy: Any, raw: Any, obs: Any, method: str, scale: float, margin: float, goal_weight: float,

@@ -23,6 +23,7 @@ from mani_skill.utils.registration import register_env  # noqa: E402
 from mani_skill.utils.structs import Pose  # noqa: E402
 
 from envs.errors import InvalidOptionError  # noqa: E402
+from envs.geometry import box_surface  # noqa: E402
 from envs.maniskill_tasks.table_scene import PARK, _TableTask, _check_cpu_single, _move, _p, _raw_pose  # noqa: E402
 
 OBSTACLE_MODES = ("none", "box", "sphere", "random")
@@ -40,19 +41,6 @@ OBSTACLE_TYPES = {"none": 0, "box": 1, "sphere": 2}
 # expert, max error per chunk 6 mm mean / 13 mm p95; with action noise 0.3, 21 / 32 mm.
 EE_DELTA_SCALE = 0.0396
 EE_DELTA_TARGET_SCALE = 0.1
-
-
-def _box_surface(lo: np.ndarray, hi: np.ndarray, spacing: float) -> np.ndarray:
-    """Points on the surface of the box [lo, hi], at most ``spacing`` apart along each axis."""
-    axes = [np.linspace(a, b, max(2, int(np.ceil((b - a) / spacing)) + 1)) for a, b in zip(lo, hi)]
-    grid = np.stack(np.meshgrid(*axes, indexing="ij"), -1)
-    on_face = np.zeros(grid.shape[:3], bool)
-    for d in range(3):
-        idx = [slice(None)] * 3
-        for end in (0, -1):
-            idx[d] = end
-            on_face[tuple(idx)] = True
-    return grid[on_face]
 
 
 @register_env("GroundflowCollisionAvoidance-v1", max_episode_steps=60)
@@ -212,14 +200,11 @@ class GroundflowCollisionAvoidanceEnv(_TableTask):
     BODY_LINKS = ("panda_hand", "panda_leftfinger", "panda_rightfinger", "panda_link7")
     """the links rigid with the TCP while pd_ee_delta_pos holds the hand's orientation"""
 
-    def body_points(self, spacing: float = 0.02) -> np.ndarray:
-        """(P, 3) points on the surfaces of boxes that enclose the hand, fingers and wrist link,
-        relative to the TCP (world frame, metres), at most ``spacing`` apart. Read from the links'
-        collision shapes at the current pose (the hand keeps its orientation in this task), so a
-        check of these points at clearance >= spacing / 2 cannot miss a touch: the gripper key points
-        (link origins) read 2-6 cm of clearance when the hand's edge touched an obstacle."""
-        if self._body_points is not None and self._body_points[0] == spacing:
-            return self._body_points[1]
+    def body_boxes(self) -> np.ndarray:
+        """(L, 2, 3) boxes [lo, hi] that enclose the hand, fingers and wrist link, relative to the TCP
+        (world frame, metres), read from the links' collision shapes at the current pose: the robot's
+        body as a guided policy's cost and check see it (``body_points``), and as a client sends it to
+        a policy server with deploy-time obstacles."""
         tcp = _p(self.agent.tcp)
         out = []
         for link in self.agent.robot.get_links():
@@ -236,8 +221,18 @@ class GroundflowCollisionAvoidanceEnv(_TableTask):
                     corners.append(v @ T[:3, :3].T + T[:3, 3] - tcp)
             if corners:
                 pts = np.concatenate(corners)
-                out.append(_box_surface(pts.min(0), pts.max(0), spacing))
-        self._body_points = (spacing, np.concatenate(out).astype(np.float32))
+                out.append((pts.min(0), pts.max(0)))
+        return np.asarray(out, dtype=np.float64).reshape(-1, 2, 3)
+
+    def body_points(self, spacing: float = 0.02) -> np.ndarray:
+        """(P, 3) points on the surfaces of ``body_boxes``, relative to the TCP (world frame, metres), at
+        most ``spacing`` apart. The hand keeps its orientation in this task, so a check of these points
+        at clearance >= spacing / 2 cannot miss a touch: the gripper key points (link origins) read 2-6
+        cm of clearance when the hand's edge touched an obstacle."""
+        if self._body_points is not None and self._body_points[0] == spacing:
+            return self._body_points[1]
+        pts = np.concatenate([box_surface(lo, hi, spacing) for lo, hi in self.body_boxes()])
+        self._body_points = (spacing, pts.astype(np.float32))
         return self._body_points[1]
 
     def predict_tcp_path(self, actions: np.ndarray, tcp: np.ndarray | None = None) -> np.ndarray:
