@@ -289,7 +289,7 @@ class ControlLoop:
             episode.rtts.append(reply.timing.get("rtt_ms", 0.0))
             episode.infers.append(reply.timing.get("infer_ms", 0.0))
             episode.lat_steps = self._lat_steps(episode.rtts[-1] / 1e3)
-            self._adopt(episode.plan, episode.ens, reply.actions, 0, 0)
+            self._take(episode, reply, 0, 0)
         episode.t_next = time.perf_counter()
         return episode
 

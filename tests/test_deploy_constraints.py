@@ -41,8 +41,8 @@ def untrained():
     return tiny_flow_policy(ENV)[0]
 
 
-def _robot(seed: int = 0) -> SimRobot:
-    robot = SimRobot(ENV, env_options={"obstacles": "random"}, seed=seed)
+def _robot(seed: int = 0, realtime: bool = False) -> SimRobot:
+    robot = SimRobot(ENV, env_options={"obstacles": "random"}, seed=seed, realtime=realtime)
     robot.connect()
     return robot
 
@@ -78,21 +78,25 @@ def test_a_constrained_reply_holds_only_the_checked_steps(reacher):
     assert all(np.abs(r.actions).max(initial=0) <= 1.0 for r in replies)  # what was checked: the clipped chunk
 
 
-def test_a_hold_keeps_the_arm_still_and_nothing_of_an_older_plan_runs(untrained):
-    robot = _robot()
+@pytest.mark.parametrize("realtime", [False, True])
+def test_a_hold_keeps_the_arm_still_and_nothing_of_an_older_plan_runs(untrained, realtime):
+    robot = _robot(realtime=realtime)  # realtime: the env steps at its rate on its own, chunks come in the background
     try:
         tcp0 = robot.env.raw.tcp_and_goal()[0]
         # a box around the gripper: every chunk's first waypoints are inside it, so none passes the check
         c = robot.arm_constraints([{"type": "box", "center": tcp0.tolist(), "half_size": [0.12, 0.12, 0.12]}])
         source = LocalPolicy(untrained)
         source.set_constraints(c)
-        cfg = LoopConfig(rate_hz=robot.spec.control_rate_hz, max_steps=12, realtime=False, seed=0)
+        cfg = LoopConfig(rate_hz=robot.spec.control_rate_hz, max_steps=12, realtime=realtime, seed=0)
         res = ControlLoop(robot, source, cfg, SafetyLayer(robot, None, dt=1.0 / cfg.rate_hz)).run_episode(seed=0)
         moved = np.linalg.norm(robot.env.raw.tcp_and_goal()[0] - tcp0)
     finally:
         robot.close()
-    assert res.interventions["constraint"] == 12 and len(res.holds) == 12 and res.reason == "max_steps"
+    assert len(res.holds) == 12 and res.reason == "max_steps"
+    assert res.interventions["constraint"] == 12 and res.interventions["watchdog"] == 0  # asked for, not a failure
     assert moved < 0.005  # metres: it stood still (delta commands of zero)
+    if realtime:
+        assert robot.steps >= 6  # the simulator did run on its own clock meanwhile (about one step a tick)
 
 
 def test_a_goal_inside_an_obstacle_is_refused_through_the_server_and_by_deploy(untrained, tmp_path, capsys):
