@@ -203,6 +203,9 @@ METHODS: dict[str, Method] = {
     "p2_bc": Method("P2 of `head_dr_nonoise`: its policy trained on demos where the layout names the task with "
                     "probability 0.9, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
                     shortcut_rho=0.9, p2_of="head_dr_nonoise"),
+    "p2_bc_2x": Method("P2 of `bc_2x`: BC at joint CIG's compute (48k steps) on demos where the layout names the "
+                       "task with probability 0.9, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
+                       policy_flags=("--steps", "48000"), shortcut_rho=0.9, p2_of="bc_2x"),
     "p2_cig_joint": Method("P2 of `cig_joint`: joint CIG trained on demos where the layout names the task with "
                            "probability 0.9, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
                            policy_flags=JOINT_CIG, shortcut_rho=0.9, p2_of="cig_joint"),
