@@ -244,6 +244,8 @@ class PolicyClient:
         (``policies.constraints.ArmConstraints``; None clears them). A reply may then be a hold
         (``ChunkReply.hold``). Raises ``ServerError`` when the server refuses them (bad geometry, a
         policy it cannot guide)."""
+        if constraints is not None and not constraints.obstacles:
+            constraints = None  # nothing to avoid: as the server reads an empty list, no constraints
         if constraints is not None and not self.metadata.get("constraints"):
             raise ServerError(f"the policy server at {self.uri} takes no obstacles (its policy is "
                               f"{self.metadata.get('policy_kind') or 'unknown'}; guidance needs a flow policy)",
@@ -385,6 +387,8 @@ class LocalPolicy:
 
     def set_constraints(self, constraints: Any) -> None:
         """As ``PolicyClient.set_constraints``, in process."""
+        if constraints is not None and not constraints.obstacles:
+            constraints = None  # nothing to avoid: no constraints, as through the server
         if constraints is not None:
             why = can_constrain(self.policy)
             if why is not None:

@@ -39,6 +39,8 @@ ACTION_LIMIT = 1.0
 """the end-effector controller's action range, [-1, 1] (ManiSkill's ``pd_ee_delta_pos`` clips to it): the
 check runs on the clipped chunk, and the chunk sent is that clipped one"""
 MAX_OBSTACLES = 64
+MAX_BODY_POINTS = 4000
+"""points the body may have at the check's spacing (the Panda hand: 468 at 2 cm)"""
 MAX_FLOW_STEPS = 50
 MAX_DRAWS = 32
 """a client's settings bound what one plan may cost the server"""
@@ -242,6 +244,10 @@ class ArmConstraints:
             v = getattr(self, name)
             if (v is not None or name == "tcp_index") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise InvalidOptionError(f"{name} must be the index of x in the state (an integer >= 0); got {v!r}")
+        n = sum(_surface_count(lo, hi, self.settings.check_spacing) for lo, hi in self.body)
+        if n > MAX_BODY_POINTS:
+            raise InvalidOptionError(f"the body has {n} points at the check's spacing of {self.settings.check_spacing} "
+                                     f"m; at most {MAX_BODY_POINTS} (fewer or smaller boxes, or a wider spacing)")
 
     @classmethod
     def from_message(cls, msg: dict) -> "ArmConstraints":
@@ -275,6 +281,12 @@ class ArmConstraints:
         return np.concatenate([box_surface(np.asarray(lo), np.asarray(hi), spacing) for lo, hi in self.body])
 
 
+def _surface_count(lo: Any, hi: Any, spacing: float) -> int:
+    """How many points ``box_surface`` puts on [lo, hi] (without building them)."""
+    n = [max(2, int(np.ceil((b - a) / spacing)) + 1) for a, b in zip(lo, hi)]
+    return int(np.prod(n) - np.prod([max(k - 2, 0) for k in n]))
+
+
 def unsatisfiable(c: ArmConstraints, state: np.ndarray) -> str | None:
     """Why the goal in ``state`` cannot be reached (the TCP would stand inside an obstacle), or None."""
     if c.goal_index is None:
@@ -303,6 +315,11 @@ def constrained_chunk(policy: Any, obs: dict, c: ArmConstraints) -> ConstrainedC
     if why:
         raise UnsatisfiableError(why)
     obstacles = parse_obstacles(list(c.obstacles))
+    if not obstacles:  # nothing to avoid (a scene without obstacles): the plain sample's checked-length head
+        policy.eval()
+        with torch.no_grad():
+            x = policy.sample_chunks(policy.obs_to_batch(obs), n_steps=s.n_steps)
+        return ConstrainedChunk(_sent(policy, x), "", s.n_steps or policy.config.flow_steps, 0)
     tcp = state[c.tcp_index:c.tcp_index + 3]
     goal = None if c.goal_index is None else state[c.goal_index:c.goal_index + 3]
     goal_weight = s.goal_weight if goal is not None else 0.0
@@ -316,6 +333,10 @@ def constrained_chunk(policy: Any, obs: dict, c: ArmConstraints) -> ConstrainedC
     if x is None:
         return ConstrainedChunk(None, f"no chunk kept {100 * s.clearance:.1f} cm from the obstacles "
                                       f"({st.rejected} rejected): hold and plan again", st.nfe, st.rejected)
-    # only the checked steps: a robot that ran on into the rest of the chunk would leave the checked path
-    chunk = policy.normalizer.unaction(x.detach())[0].clamp(-ACTION_LIMIT, ACTION_LIMIT).numpy()[: policy.config.n_exec]
-    return ConstrainedChunk(chunk, "", st.nfe, st.rejected)
+    return ConstrainedChunk(_sent(policy, x), "", st.nfe, st.rejected)
+
+
+def _sent(policy: Any, x: torch.Tensor) -> np.ndarray:
+    """What is sent of a normalized chunk: the ``n_exec`` steps the check covered (a robot that ran on into
+    the rest would leave the checked path), in env units, clipped as the check assumed."""
+    return policy.normalizer.unaction(x.detach())[0].clamp(-ACTION_LIMIT, ACTION_LIMIT).numpy()[: policy.config.n_exec]

@@ -131,6 +131,7 @@ def test_bad_constraints_get_a_clear_error_naming_the_problem(untrained):
         for bad, words in (({"obstacles": [{"type": "cone"}]}, "obstacle 0"),
                            ({"obstacles": [{"type": "sphere", "center": [0, 0, 0], "radius": -1}]}, "radius"),
                            ({"body": [[[0, 0, 0]]]}, "body"), ({"tcp_index": 400}, "tcp_index"),
+                           ({"body": [[[-1, -1, -1], [1, 1, 1]]]}, "points at the check's spacing"),
                            ({"ee_delta_scale": float("nan")}, "ee_delta_scale"),
                            ({"settings": {"scale": -1}}, "settings.scale"),
                            ({"settings": {"candidates": 32, "retries": 1}}, "at most 32"),
