@@ -684,11 +684,13 @@ def _table(out: dict[str, Any]) -> str:
                     "P2_conflict_random")
             crow = [[m, *[_fmt(conflict[c][m].get("success", conflict[c][m].get("rate")), conflict[c][m]["ci95"])
                           if m in conflict.get(c, {}) else "-" for c in cols],
-                     str(conflict[cols[0]][m]["episodes"]) if m in conflict.get(cols[0], {}) else "-"] for m in methods_c]
-            text.append("## P2 checkpoints on the layout of another task (the commanded object elsewhere; "
-                        "episodes per condition)\n\n" + md_table(
+                     *([str(conflict[cols[0]][m][k]) for k in ("episodes", "seeds")] if m in conflict.get(cols[0], {})
+                       else ["-", "-"])] for m in methods_c]
+            text.append("## P2 checkpoints on the correlated layout of another task while one is commanded (only "
+                        "the instruction names the task), on their own layouts and on random ones; episodes per "
+                        "condition over the seeds\n\n" + md_table(
                             ["P2 of", "conflict: success", "conflict: did the layout's task", "own layouts",
-                             "random layouts", "episodes"], crow))
+                             "random layouts", "episodes", "seeds"], crow))
         text.append("## Grounding protocols on the tabletop pixel policy (mean over training seeds, 95% Wilson "
                     "interval on the pooled episodes; P1 the clean evaluation, P2 trained where the layout names the "
                     "task with probability rho and tested on random layouts, P3 swap, P4 mid-episode switch)\n\n"
