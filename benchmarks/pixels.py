@@ -209,6 +209,10 @@ METHODS: dict[str, Method] = {
     "p2_cig_joint": Method("P2 of `cig_joint`: joint CIG trained on demos where the layout names the task with "
                            "probability 0.9, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
                            policy_flags=JOINT_CIG, shortcut_rho=0.9, p2_of="cig_joint"),
+    "p2_bc_dagger": Method("P2 of `head_dr_nonoise_dagger`: `p2_bc`'s policy retrained on its demos plus 240 episodes "
+                           "where `p2_bc` acted on the same correlated layouts and the expert labelled the states it "
+                           "reached; the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
+                           dagger_from="p2_bc", shortcut_rho=0.9, p2_of="head_dr_nonoise_dagger"),
     "cnn_e2e": Method("end to end: the policy reads both cameras through a CNN trained from scratch (spatial-softmax "
                       "keypoints, 4 px random shift, colour jitter 0.3), on clean + randomized demos; 8000 steps of 64",
                       head_data="clean+dr", end_to_end=("--vision", "cnn", "--image-pool", "keypoints",
@@ -304,10 +308,12 @@ def collect(a: Args) -> None:
         student = _final_dir(a, name)
         if not student.exists():
             raise SystemExit(f"DAgger needs the student {name} trained first ({student})")
+        rho = METHODS[name].shortcut_rho  # a P2 student acts where it was trained: on the correlated layout
+        task = su.collect if rho is None else _shortcut_flags(su, rho)
         for seed, path in zip(DAGGER_SEEDS, _dagger_paths(a, name)):
             if path.exists():
                 continue
-            cmd = [GROUNDFLOW, "collect", *su.collect, "--episodes", str(a.dagger_episodes // len(DAGGER_SEEDS)),
+            cmd = [GROUNDFLOW, "collect", *task, "--episodes", str(a.dagger_episodes // len(DAGGER_SEEDS)),
                    "--cameras", *su.cameras, "--image-size", str(su.image_size), "--seed", str(seed), "--out", str(path),
                    "--no-progress", "--student", str(student)]
             print("$", " ".join(cmd[1:]), flush=True)
