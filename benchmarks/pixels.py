@@ -122,6 +122,11 @@ SUITES: dict[str, Suite] = {
                          ("*_1_pos", "*_level_qpos", "*_button_qpos"), "multitask", (0, 20000), (40000, 60000),
                          250, env_options=(("layout", "task"),), dr_demos_per_seed=150),
 }
+CONFLICT_CELLS = {"P2_conflict_conflict": ("conflict", "success_rate"),
+                  "P2_conflict_layout_task": ("conflict", "did_layout_task_rate"),
+                  "P2_conflict_in_distribution": ("in_distribution", "success_rate"),
+                  "P2_conflict_random": ("random", "success_rate")}
+"""the layout-conflict test's figures in pixels.json's ``cig``: (condition, field of layout_conflict_eval)"""
 PARTS = RESULTS / "pixels_parts"
 GROUNDFLOW = str(ROOT / ".venv" / "bin" / "groundflow")
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # as the results were measured
@@ -267,9 +272,11 @@ def _data(a: Args, which: str) -> list[Path]:
     return [a.data / f"{a.suite}_{which}_s{s}.h5" for s in (su.dr_seeds if which == "dr" else su.clean_seeds)]
 
 
-def _shortcut_flags(su: Suite, rho: float) -> list[str]:
-    """The suite's collect flags with its random layout replaced by the correlated one at ``rho``."""
+def _collect_flags(su: Suite, rho: float | None) -> list[str]:
+    """The suite's collect flags; with ``rho`` (P2), its random layout replaced by the correlated one at ``rho``."""
     flags = list(su.collect)
+    if rho is None:
+        return flags
     if "--layout" not in flags or flags[flags.index("--layout") + 1] != "random":
         raise SystemExit(f"P2 needs a suite collected on random layouts that has a correlated one (tabletop, "
                          f"kitchen); its collect flags are {' '.join(su.collect)}")
@@ -296,8 +303,7 @@ def collect(a: Args) -> None:
             if path.exists():
                 continue
             extra = ["--randomize", *su.randomize] if which == "dr" else []
-            task = su.collect if rho is None else _shortcut_flags(su, rho)
-            cmd = [GROUNDFLOW, "collect", *task, "--episodes",
+            cmd = [GROUNDFLOW, "collect", *_collect_flags(su, rho), "--episodes",
                    str(su.demos_per_seed if which == "clean" else su.dr_demos_per_seed or su.demos_per_seed),
                    "--cameras", *su.cameras, "--image-size", str(su.image_size),
                    "--seed", str(seed), "--out", str(path), "--no-progress", *extra]
@@ -308,8 +314,7 @@ def collect(a: Args) -> None:
         student = _final_dir(a, name)
         if not student.exists():
             raise SystemExit(f"DAgger needs the student {name} trained first ({student})")
-        rho = METHODS[name].shortcut_rho  # a P2 student acts where it was trained: on the correlated layout
-        task = su.collect if rho is None else _shortcut_flags(su, rho)
+        task = _collect_flags(su, METHODS[name].shortcut_rho)  # a P2 student acts on the layouts it trained on
         for seed, path in zip(DAGGER_SEEDS, _dagger_paths(a, name)):
             if path.exists():
                 continue
@@ -571,7 +576,8 @@ def _seeds(a: Args, name: str, what: str) -> dict[int, Path]:
 
 def _grounding(a: Args) -> dict[str, Any]:
     """P1 (the clean evaluation), P3 and P4 per tabletop method that ran the protocols part, and P2 (the clean
-    evaluation of the method's shortcut-trained twin, ``p2_of``), over the training seeds that ran it: the mean of the seeds' rates, a Wilson interval on the pooled episodes
+    evaluation of the method's shortcut-trained twin, ``p2_of``), over the training seeds that ran it: the
+    mean of the seeds' rates, a Wilson interval on the pooled episodes
     (it ignores the spread between seeds; ``per_seed`` shows it)."""
     from envs.metrics import wilson
     per: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
@@ -595,11 +601,8 @@ def _grounding(a: Args) -> dict[str, Any]:
                     "rate": c["success_rate"], "ci95": c["ci95"], "n": c["episodes"]}
             for seed, piece in _seeds(a, name, "conflict").items():  # what a P2 failure is
                 r = json.loads(piece.read_text())
-                for k, key in (("conflict", "success_rate"), ("conflict", "did_layout_task_rate"),
-                               ("in_distribution", "success_rate"), ("random", "success_rate")):
-                    proto = f"P2_conflict_{'layout_task' if key.startswith('did') else k}"
-                    per.setdefault(proto, {}).setdefault(m.p2_of, {})[seed] = {
-                        "rate": r[k][key], "n": r["episodes"]}
+                for proto, (cond, key) in CONFLICT_CELLS.items():
+                    per.setdefault(proto, {}).setdefault(m.p2_of, {})[seed] = {"rate": r[cond][key], "n": r["episodes"]}
     cig: dict[str, Any] = {}
     for proto, methods in per.items():
         for name, seeds in methods.items():
@@ -683,11 +686,10 @@ def _table(out: dict[str, Any]) -> str:
                  _fmt(out["cig"]["P3_did_other_task"][m]["rate"]), _fmt(out["cig"]["P4_old_task_completed"][m]["rate"])]
                 for m in methods]
         rows = [[*r, str(max(out["cig"][p][r[0]]["seeds"] for p in protos if r[0] in out["cig"][p]))] for r in rows]
-        conflict = {k: v for k, v in out["cig"].items() if k.startswith("P2_conflict_")}
+        conflict = {k: v for k, v in out["cig"].items() if k in CONFLICT_CELLS}
         if conflict:
             methods_c = sorted({m for v in conflict.values() for m in v})
-            cols = ("P2_conflict_conflict", "P2_conflict_layout_task", "P2_conflict_in_distribution",
-                    "P2_conflict_random")
+            cols = tuple(CONFLICT_CELLS)
             crow = [[m, *[_fmt(conflict[c][m].get("success", conflict[c][m].get("rate")), conflict[c][m]["ci95"])
                           if m in conflict.get(c, {}) else "-" for c in cols],
                      *([str(conflict[cols[0]][m][k]) for k in ("episodes", "seeds")] if m in conflict.get(cols[0], {})

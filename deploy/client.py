@@ -54,6 +54,17 @@ class ChunkReply:
     """why the robot must hold instead (no chunk passed the constraints' check; ``actions`` is empty)"""
 
 
+def _hold_reply(meta: dict[str, Any], timing: dict[str, float], why: str | None) -> ChunkReply:
+    """The reply that asks the robot to hold: no actions, and why."""
+    return ChunkReply(np.zeros((0, meta["action_dim"]), np.float32), timing, hold=why)
+
+
+def _effective(constraints: Any) -> Any:
+    """``constraints``, or None where they name no obstacle: nothing to avoid is no constraint (the server
+    reads an empty list so), in process as through the server."""
+    return None if constraints is None or not constraints.obstacles else constraints
+
+
 def parse_address(address: str, default_port: int = 8000) -> tuple[str, int]:
     """``HOST:PORT`` (or ``HOST``) -> (host, port), with a clear error for anything else."""
     host, _, port = address.rpartition(":") if ":" in address else (address, "", str(default_port))
@@ -234,8 +245,8 @@ class PolicyClient:
         timing["overhead_ms"] = timing["rtt_ms"] - timing.get("infer_ms", 0.0)
         if reply.get("type") == "hold" and self.constraints is not None:
             reason = reply.get("reason")
-            return ChunkReply(np.zeros((0, self.metadata["action_dim"]), np.float32), timing,
-                              hold=reason if isinstance(reason, str) and reason else "the server asked for a hold")
+            return _hold_reply(self.metadata, timing, reason if isinstance(reason, str) and reason
+                               else "the server asked for a hold")
         actions = check_reply_chunk(reply.get("actions"), self.metadata, self.server_bounds, self.action_bounds)
         return ChunkReply(actions, timing)
 
@@ -244,8 +255,7 @@ class PolicyClient:
         (``policies.constraints.ArmConstraints``; None clears them). A reply may then be a hold
         (``ChunkReply.hold``). Raises ``ServerError`` when the server refuses them (bad geometry, a
         policy it cannot guide)."""
-        if constraints is not None and not constraints.obstacles:
-            constraints = None  # nothing to avoid: as the server reads an empty list, no constraints
+        constraints = _effective(constraints)
         if constraints is not None and not self.metadata.get("constraints"):
             raise ServerError(f"the policy server at {self.uri} takes no obstacles (its policy is "
                               f"{self.metadata.get('policy_kind') or 'unknown'}; guidance needs a flow policy)",
@@ -382,13 +392,12 @@ class LocalPolicy:
         ms = (time.perf_counter() - t0) * 1e3
         timing = {"infer_ms": ms, "rtt_ms": ms, "overhead_ms": 0.0}
         if actions is None:
-            return ChunkReply(np.zeros((0, self.metadata["action_dim"]), np.float32), timing, hold=hold)
+            return _hold_reply(self.metadata, timing, hold)
         return ChunkReply(protocol.check_chunk(actions, self.metadata["action_dim"], self.bounds), timing)
 
     def set_constraints(self, constraints: Any) -> None:
         """As ``PolicyClient.set_constraints``, in process."""
-        if constraints is not None and not constraints.obstacles:
-            constraints = None  # nothing to avoid: no constraints, as through the server
+        constraints = _effective(constraints)
         if constraints is not None:
             why = can_constrain(self.policy)
             if why is not None:

@@ -124,7 +124,7 @@ class SimRobot:
         from policies.constraints import ArmConstraints, ArmGuidance
         check_connected(self)
         raw = getattr(self.env, "raw", None)
-        layout = dict(state_slices(getattr(self.env, "state_layout", None)))
+        layout = state_slices(getattr(self.env, "state_layout", None))
         if not (hasattr(raw, "body_boxes") and hasattr(raw, "ee_delta_scale") and "extra/tcp_pose" in layout):
             raise InvalidOptionError(f"{self._env_id} does not describe its arm's body and end-effector step, so "
                                      "deploy-time obstacles cannot be guided around there (the collision-avoidance "

@@ -17,6 +17,7 @@ The collision benchmark and the deploy path (``PolicyServer``, ``LocalPolicy``) 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -277,8 +278,18 @@ class ArmConstraints:
                 raise InvalidOptionError(f"{name} {v}: the state has {state_dim} entries, so x, y, z at {v}..{v + 2} "
                                          "do not fit")
 
+    @functools.cached_property
+    def shapes(self) -> list:
+        """The obstacles as guidance ``Box``/``Sphere`` objects (built once: every request reads them)."""
+        return parse_obstacles(list(self.obstacles))
+
     def points(self, spacing: float) -> np.ndarray:
-        return np.concatenate([box_surface(np.asarray(lo), np.asarray(hi), spacing) for lo, hi in self.body])
+        """The body's surface points at ``spacing`` (built once per spacing)."""
+        cache = self.__dict__.setdefault("_points", {})
+        if spacing not in cache:
+            cache[spacing] = np.concatenate([box_surface(np.asarray(lo), np.asarray(hi), spacing)
+                                             for lo, hi in self.body])
+        return cache[spacing]
 
 
 def _surface_count(lo: Any, hi: Any, spacing: float) -> int:
@@ -291,7 +302,7 @@ def unsatisfiable(c: ArmConstraints, state: np.ndarray) -> str | None:
     """Why the goal in ``state`` cannot be reached (the TCP would stand inside an obstacle), or None."""
     if c.goal_index is None:
         return None
-    return unreachable_goal(state[c.goal_index:c.goal_index + 3], parse_obstacles(list(c.obstacles)), [(0.0, 0.0, 0.0)])
+    return unreachable_goal(state[c.goal_index:c.goal_index + 3], c.shapes, [(0.0, 0.0, 0.0)])
 
 
 @dataclass
@@ -314,7 +325,7 @@ def constrained_chunk(policy: Any, obs: dict, c: ArmConstraints) -> ConstrainedC
     why = unsatisfiable(c, state)
     if why:
         raise UnsatisfiableError(why)
-    obstacles = parse_obstacles(list(c.obstacles))
+    obstacles = c.shapes
     if not obstacles:  # nothing to avoid (a scene without obstacles): the plain sample's checked-length head
         policy.eval()
         with torch.no_grad():

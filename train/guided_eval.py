@@ -17,7 +17,7 @@ import torch
 import envs
 import guidance
 from envs.errors import InvalidOptionError
-from policies.constraints import parse_obstacles, path_check, path_cost, unreachable_goal
+from policies.constraints import ArmGuidance, parse_obstacles, path_check, path_cost, unreachable_goal
 from policies.selection import ChunkCheck, choose_chunk
 
 
@@ -37,11 +37,12 @@ GRIPPER_POINTS = ((0.0, 0.0, 0.0), (0.04, 0.0, 0.0), (-0.04, 0.0, 0.0), (0.04, 0
 TCP_ONLY = ((0.0, 0.0, 0.0),)
 LINKS = "links"
 """body: points on the hand's, fingers' and wrist's collision boxes (the env's ``body_points``)"""
-LINK_SPACING = 0.04
+# one home for these numbers: the deploy path's settings (policies.constraints.ArmGuidance)
+LINK_SPACING = ArmGuidance.cost_spacing
 """metres between those points in the guidance cost (its time grows with their number)"""
-CHECK_SPACING = 0.02
+CHECK_SPACING = ArmGuidance.check_spacing
 """... and in the hard check (once per candidate: dense enough that clearance >= 1.5 cm cannot pass a touch)"""
-CHECK_CLEARANCE = 0.015
+CHECK_CLEARANCE = ArmGuidance.clearance
 """metres every checked point must keep from every obstacle"""
 
 
