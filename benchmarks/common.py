@@ -39,7 +39,7 @@ def demos(env_id: str, episodes: int, seed: int = 0, **kw: Any) -> Path:
 def served(ckpt: Path, timeout_s: float = 120.0) -> Iterator[int]:
     """``groundflow serve --ckpt`` on a free loopback port (one torch thread), yielding the port once a
     client's handshake succeeds (the server loads its checkpoint and language model first); stopped after."""
-    from deploy.client import PolicyClient
+    from deploy.serving.client import PolicyClient
     from deploy.errors import PolicyUnavailableError
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

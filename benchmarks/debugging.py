@@ -50,8 +50,8 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 import envs  # noqa: E402
-from deploy.debugging import DebugConfig, Outcome, attribute, exhaustive_ablation, prepare  # noqa: E402
-from deploy.debugging_faults import DapgMeanPolicy, Fault, FaultyEnv, PushCubeController, record_episode  # noqa: E402
+from deploy.debugging.search import DebugConfig, Outcome, attribute, exhaustive_ablation, prepare  # noqa: E402
+from deploy.debugging.faults import DapgMeanPolicy, Fault, FaultyEnv, PushCubeController, record_episode  # noqa: E402
 from envs.shifted import PhysicsShift, ShiftedEnv, make_shifted  # noqa: E402
 
 DOOR_HINGE_SIM, DOOR_HINGE_OBS = 29, 28

@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))  # `import deploy` must find the package, not this
 import numpy as np  # noqa: E402
 
 from deploy.chunking import boundary_jumps  # noqa: E402
-from deploy.client import PolicyClient  # noqa: E402
+from deploy.serving.client import PolicyClient  # noqa: E402
 from deploy.control import ControlLoop, LoopConfig  # noqa: E402
 from deploy.fuzz import fuzz_actions, violations  # noqa: E402
 from deploy.safety import SafetyConfig, SafetyLayer  # noqa: E402
-from deploy.sim_robot import PANDA_MAX_ACCELERATION, SimRobot  # noqa: E402
+from deploy.robots.sim import PANDA_MAX_ACCELERATION, SimRobot  # noqa: E402
 
 PUSH = "maniskill/PushCube-v1"
 
@@ -73,7 +73,7 @@ class ExpertPolicy:
 
 def serve_main(kind: str, args: list[str]) -> None:
     """``benchmarks/deploy.py --serve KIND ...``: a policy server process that prints its port."""
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     if kind == "null":
         policy = NullPolicy(int(args[0]), int(args[1]), int(args[2]), tuple(args[3:]))
     elif kind == "wave":  # joint-target policy that keeps the arm moving around its start
@@ -179,8 +179,8 @@ def bench_jitter_sim(rates: list[float], seconds: float) -> dict:
 
 
 def bench_jitter_franka(rates: list[float], seconds: float) -> dict:
-    from deploy.franka import FrankaRobot
-    from deploy.franka_sim import FrankySim, available
+    from deploy.robots.franka import FrankaRobot
+    from deploy.robots.franka_sim import FrankySim, available
     if available() is not None:
         return {"skipped": available()}
     out = {}
@@ -297,8 +297,8 @@ def bench_fuzz(n_sim: int, n_franka: int) -> dict:
     robot.connect()
     out = {"sim": fuzz_one(robot, n_sim, seed=0, dt=1 / 20)}
     robot.close()
-    from deploy.franka import FrankaRobot
-    from deploy.franka_sim import FrankySim, available
+    from deploy.robots.franka import FrankaRobot
+    from deploy.robots.franka_sim import FrankySim, available
     if available() is None and n_franka:
         with FrankySim() as sim:
             fr = FrankaRobot(sim.host)

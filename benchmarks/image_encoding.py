@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))  # `import deploy` must find the package, not a sc
 
 import numpy as np  # noqa: E402
 
-from deploy import protocol  # noqa: E402
+from deploy.serving import protocol  # noqa: E402
 
 ENV, CAMERA, SIZES = "maniskill/TabletopSuite-v1", "workspace_camera", (96, 224)
 ROWS = [("raw", "raw", None), ("png", "png", None), ("png6", "png", None), ("jpeg q90", "jpeg", 90),
@@ -92,9 +92,9 @@ def codec(img: np.ndarray, name: str, fmt: str, quality: int | None) -> dict:
 
 
 def rtt(img: np.ndarray, fmt: str, quality: int | None) -> float:
-    from deploy.client import PolicyClient
+    from deploy.serving.client import PolicyClient
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     policy = JointTargetPolicy(8, 8, np.zeros(7))
     policy.config.cameras = (CAMERA,)
     obs = {"state": np.zeros(8, np.float32), "instruction": "pick up the cube", "images": {CAMERA: img}}

@@ -103,22 +103,22 @@ def load_suites(names: tuple[str, ...]) -> dict[str, dict]:
     out = {}
     for name in names:
         if name == "tabletop":
-            from envs.maniskill_tasks.tabletop import TABLETOP_SUITE
+            from envs.maniskill.tasks.tabletop import TABLETOP_SUITE
             tasks = [(t.instruction, t.paraphrases) for t in TABLETOP_SUITE.tasks]
-            source = "envs.maniskill_tasks.tabletop.TABLETOP_SUITE"
+            source = "envs.maniskill.tasks.tabletop.TABLETOP_SUITE"
         elif name == "kitchen":
-            from envs.kitchen import TASKS
+            from envs.robosuite.kitchen import TASKS
             tasks = [(t.instruction, t.paraphrases) for t in TASKS]
-            source = "envs.kitchen.TASKS"
+            source = "envs.robosuite.kitchen.TASKS"
         elif name == "libero_goal":
-            from envs.libero import PARAPHRASES
+            from envs.libero.env import PARAPHRASES
             try:
-                from envs.libero import _benchmark
+                from envs.libero.env import _benchmark
                 bench = _benchmark("goal")
                 texts = [bench.get_task(i).language.strip().lower() for i in range(bench.n_tasks)]
-                source = "LIBERO's libero_goal benchmark + envs.libero.PARAPHRASES"
+                source = "LIBERO's libero_goal benchmark + envs.libero.env.PARAPHRASES"
             except Exception:  # noqa: BLE001  (LIBERO not installed: its 10 instructions are PARAPHRASES' keys)
-                texts, source = list(PARAPHRASES), "envs.libero.PARAPHRASES keys"
+                texts, source = list(PARAPHRASES), "envs.libero.env.PARAPHRASES keys"
             tasks = [(t, PARAPHRASES.get(t, ())) for t in texts]
         else:
             raise SystemExit(f"unknown suite {name!r}")

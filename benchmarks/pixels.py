@@ -482,10 +482,10 @@ def deploy_part(a: Args) -> None:
     """The checkpoint behind ``groundflow serve``, driven by the deploy path (client, control loop,
     safety layer) on the simulated suite rendering the cameras: success and round trip per image
     encoding, the same episodes for each."""
-    from deploy.client import robot_client
+    from deploy.serving.client import robot_client
     from deploy.evaluate import evaluate_via_server
     from deploy.safety import SafetyConfig
-    from deploy.sim_robot import SimRobot
+    from deploy.robots.sim import SimRobot
     import envs
     PARTS.mkdir(parents=True, exist_ok=True)
     su = SUITES[a.suite]

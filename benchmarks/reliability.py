@@ -1195,8 +1195,8 @@ SYMPTOM = "names the chunk the policy made, not the input; code inference_failed
 def _bad_request(tmp: Path, needles: tuple[str, ...], note: str = "", **infer: Any) -> Result:
     """One bad request against a real server: a clear refusal, and the server still serves."""
     import policies
-    from deploy.client import PolicyClient
-    from deploy.server import PolicyServer
+    from deploy.serving.client import PolicyClient
+    from deploy.serving.server import PolicyServer
     policy = policies.load(_served_ckpt(tmp))
     obs = infer.pop("obs", _obs())
     with PolicyServer(policy, port=0) as srv, PolicyClient(port=srv.port, timeout=30) as c:
@@ -1257,9 +1257,9 @@ def case_client_garbage_chunks(tmp: Path) -> Result:
     action bounds (a scripted policy) and replies with garbage instead of its chunk: 16 rows of 1e30, a
     100,000-row chunk, then a 100,000-row chunk from a server announcing no horizon either. Each must be
     refused with one clear error and never come back as a plan; the next good chunk still comes back."""
-    from deploy.client import PolicyClient
+    from deploy.serving.client import PolicyClient
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
 
     class LyingServer(PolicyServer):
         """Sends ``garbage`` instead of the policy's chunk, unchecked: an old or broken server."""
@@ -1322,9 +1322,9 @@ def case_many_instructions(tmp: Path) -> Result:
     refuses them) and ``--paraphrases 16 --allow-unknown`` (MiniLM encodes them; at most 16 kept);
     nothing written to disk."""
     import policies
-    from deploy.client import PolicyClient
+    from deploy.serving.client import PolicyClient
     from deploy.errors import ServerError
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     cache_dir = tmp / "lang_cache"
     os.environ["GROUNDFLOW_LANG_CACHE"] = str(cache_dir)
     ckpt = _served_ckpt(tmp)
@@ -1370,10 +1370,10 @@ def case_many_instructions(tmp: Path) -> Result:
 
 def case_idle_clients(tmp: Path) -> Result:
     """300 clients connect and stay idle against --max-connections 16 --idle-timeout 1."""
-    from deploy.client import PolicyClient
+    from deploy.serving.client import PolicyClient
     from deploy.errors import PolicyUnavailableError
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     policy = JointTargetPolicy(STATE, ACTION, np.zeros(7))
     with PolicyServer(policy, port=0, max_connections=16, idle_timeout_s=1.0) as srv:
         time.sleep(0.2)
@@ -1423,9 +1423,9 @@ def case_silent_connections(tmp: Path) -> Result:
     import selectors
     import socket
 
-    from deploy.client import PolicyClient
+    from deploy.serving.client import PolicyClient
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
     policy = JointTargetPolicy(STATE, ACTION, np.zeros(7))
@@ -1516,9 +1516,9 @@ def case_server_port_in_use(tmp: Path) -> Result:
     process); then a plain socket (another program) holding the port."""
     import socket
 
-    from deploy.client import PolicyClient
+    from deploy.serving.client import PolicyClient
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     policy = JointTargetPolicy(STATE, ACTION, np.zeros(7))
 
     def serve_cli(port: int) -> Result:
@@ -1557,10 +1557,10 @@ def case_server_port_in_use(tmp: Path) -> Result:
 def case_handshake_bad_types(tmp: Path) -> Result:
     """Hellos whose fields have the wrong type (cameras=5, image_size="x", nested junk, ...) sent
     straight over a websocket: each must be a bad_hello reply naming the field; the server keeps serving."""
-    from deploy import protocol
-    from deploy.client import PolicyClient
+    from deploy.serving import protocol
+    from deploy.serving.client import PolicyClient
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
     bad = [("cameras", 5), ("cameras", "wrist"), ("cameras", [["wrist"]]), ("cameras", {"wrist": 1}),
@@ -1626,7 +1626,7 @@ HOME = [0.3, 0.6, 0.2, -1.6, 0.2, 2.5, 1.0]
 def case_deploy_policy_lost_exit_code(tmp: Path) -> Result:
     """`groundflow deploy` (a real process) against a server that answers once, then stalls."""
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     release = threading.Event()
 
     class Stalls(JointTargetPolicy):
@@ -1663,7 +1663,7 @@ def case_deploy_server_lost_recording(tmp: Path) -> Result:
     must read back."""
     from dataset import Dataset
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     going, release = threading.Event(), threading.Event()
 
     class GoesAway(JointTargetPolicy):
@@ -1722,7 +1722,7 @@ def case_deploy_server_lost_recording(tmp: Path) -> Result:
 def case_deploy_interrupted_reason(tmp: Path) -> Result:
     """Ctrl+C twice on a running `groundflow deploy --record` (a real process)."""
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     from dataset import Dataset
     rec = tmp / "rec.h5"
     with PolicyServer(JointTargetPolicy(STATE, ACTION, HOME, gripper=1.0), port=0) as srv:
@@ -1896,8 +1896,8 @@ def case_debugging_rollout_bound(tmp: Path) -> Result:
     """The search on a synthetic case (T = 50, k = 8 reward faults, small residuals everywhere): its
     rollouts against single-step ablation's T + 2; it must find the faults and never cost more than
     that ablation (nor than the budget it announces, ``rollout_budget``), with or without max_rollouts."""
-    from deploy.debugging import DebugConfig, Outcome, debug
-    from deploy.debugging_faults import ConstantPolicy, Integrator, integrator_episode
+    from deploy.debugging.search import DebugConfig, Outcome, debug
+    from deploy.debugging.faults import ConstantPolicy, Integrator, integrator_episode
 
     T, k, n = 50, 8, 20
     pi = ConstantPolicy()

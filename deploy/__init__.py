@@ -15,19 +15,19 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Robot": "deploy.robot", "RobotSpec": "deploy.robot",
-    "SimRobot": "deploy.sim_robot", "FrankaRobot": "deploy.franka", "URRobot": "deploy.ur",
-    "XArmRobot": "deploy.xarm", "FrankySim": "deploy.franka_sim",
-    "PolicyServer": "deploy.server", "PolicyClient": "deploy.client", "LocalPolicy": "deploy.client",
+    "Robot": "deploy.robots.base", "RobotSpec": "deploy.robots.base",
+    "SimRobot": "deploy.robots.sim", "FrankaRobot": "deploy.robots.franka", "URRobot": "deploy.robots.ur",
+    "XArmRobot": "deploy.robots.xarm", "FrankySim": "deploy.robots.franka_sim",
+    "PolicyServer": "deploy.serving.server", "PolicyClient": "deploy.serving.client", "LocalPolicy": "deploy.serving.client",
     "SafetyLayer": "deploy.safety", "SafetyConfig": "deploy.safety",
     "ControlLoop": "deploy.control", "LoopConfig": "deploy.control", "EpisodeResult": "deploy.control",
     "Recorder": "deploy.recording", "RTCConfig": "policies.rtc", "JointTargetPolicy": "deploy.scripted",
     "evaluate_via_server": "deploy.evaluate",
-    "debug": "deploy.debugging", "prepare": "deploy.debugging", "attribute": "deploy.debugging",
-    "exhaustive_ablation": "deploy.debugging", "DebugConfig": "deploy.debugging", "Outcome": "deploy.debugging",
-    "Attribution": "deploy.debugging", "debug_command": "deploy.debugging_report",
-    "Fault": "deploy.debugging_faults", "FaultyEnv": "deploy.debugging_faults",
-    "record_episode": "deploy.debugging_faults",
+    "debug": "deploy.debugging.search", "prepare": "deploy.debugging.search", "attribute": "deploy.debugging.search",
+    "exhaustive_ablation": "deploy.debugging.search", "DebugConfig": "deploy.debugging.search", "Outcome": "deploy.debugging.search",
+    "Attribution": "deploy.debugging.search", "debug_command": "deploy.debugging.report",
+    "Fault": "deploy.debugging.faults", "FaultyEnv": "deploy.debugging.faults",
+    "record_episode": "deploy.debugging.faults",
 }
 
 __all__ = sorted(_EXPORTS)

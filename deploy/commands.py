@@ -31,20 +31,20 @@ from typing import Literal
 import tyro
 
 import policies
-from deploy.cameras import CameraRig, parse_cameras
-from deploy.client import parse_address, robot_client
+from deploy.robots.cameras import CameraRig, parse_cameras
+from deploy.serving.client import parse_address, robot_client
 from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
 from deploy.errors import (EXIT_CONSTRAINT_REFUSED, EXIT_INSTRUCTION_REFUSED, DeployError, HandshakeError, InstructionRefusedError,
                            PolicyUnavailableError)
-from deploy.franka import FrankaRobot
-from deploy.franka_sim import FrankySim
+from deploy.robots.franka import FrankaRobot
+from deploy.robots.franka_sim import FrankySim
 from deploy.recording import Recorder
 from deploy.safety import SafetyConfig, SafetyLayer
 from deploy.scripted import JointTargetPolicy
-from deploy.server import PolicyServer
-from deploy.sim_robot import SimRobot
-from deploy.ur import URRobot
-from deploy.xarm import XArmRobot
+from deploy.serving.server import PolicyServer
+from deploy.robots.sim import SimRobot
+from deploy.robots.ur import URRobot
+from deploy.robots.xarm import XArmRobot
 from envs.errors import InvalidOptionError
 from policies.rtc import RTCConfig
 
@@ -367,7 +367,7 @@ def deploy(argv: list[str]) -> None:
     try:
         robot.connect()
         spec = robot.spec
-        # a chunk beyond what the safety layer calls far out of limits is refused whole (deploy/client.py)
+        # a chunk beyond what the safety layer calls far out of limits is refused whole (deploy/serving/client.py)
         client = robot_client(host, port, spec, SafetyConfig.far_margin, timeout=args.timeout,
                               image_encoding=args.image_encoding, jpeg_quality=args.jpeg_quality)
         if args.robot == "sim":  # a real arm is no sim env: only the client's camera check applies to it

@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from deploy.chunking import ChunkPlan, TemporalEnsembler
-from deploy.client import ChunkReply
+from deploy.serving.client import ChunkReply
 from deploy.errors import DeployError, HandshakeError, PolicyUnavailableError
 from deploy.recording import Recorder
-from deploy.robot import Obs, Robot
+from deploy.robots.base import Obs, Robot
 from deploy.safety import SafetyConfig, SafetyLayer
 from envs.errors import InvalidOptionError
 

@@ -13,11 +13,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from envs.metrics import wilson as wilson_ci
-from deploy.client import parse_address, robot_client
+from deploy.serving.client import parse_address, robot_client
 from deploy.control import ControlLoop, LoopConfig
 from deploy.recording import Recorder
 from deploy.safety import SafetyConfig, SafetyLayer
-from deploy.sim_robot import SimRobot
+from deploy.robots.sim import SimRobot
 
 
 def evaluate_via_server(env_id: str, server: str | Any = "127.0.0.1:8000", n_episodes: int = 10, seed: int = 0,

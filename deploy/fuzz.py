@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from deploy.robot import RobotSpec
+from deploy.robots.base import RobotSpec
 
 KINDS = ("good", "nan", "inf", "far_out", "slightly_out", "jump", "reversal", "wrong_shape", "wrong_type", "none")
 BAD_KINDS = KINDS[1:]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from dataset import DatasetWriter, EpisodeBuffer
-from deploy.robot import Obs, RobotSpec
+from deploy.robots.base import Obs, RobotSpec
 
 
 class Recorder:

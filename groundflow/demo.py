@@ -49,7 +49,7 @@ import tyro  # noqa: E402
 
 import policies  # noqa: E402
 from deploy.evaluate import evaluate_via_server
-from deploy.server import PolicyServer
+from deploy.serving.server import PolicyServer
 from envs.errors import InvalidOptionError
 from groundflow.cli import run_command
 from train.bc import TrainArgs, train

@@ -110,7 +110,7 @@ def resolve_instruction(policy: Any, text: str, allow_unknown: bool = False) -> 
     instruction the resolver maps it to (the policy then sees that instruction's features); else
     ``UnknownInstructionError`` with the resolver's reason, unless ``allow_unknown`` (``text`` as is:
     encoded on demand, the behaviour before the resolver). The one place a user's wording is
-    resolved for a checkpoint (``deploy.inference.infer_chunk``, the server, eval, P5)."""
+    resolved for a checkpoint (``deploy.serving.inference.infer_chunk``, the server, eval, P5)."""
     if not isinstance(text, str) or text == NULL_INSTRUCTION:
         return text
     trained = trained_instructions(policy)

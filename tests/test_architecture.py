@@ -27,7 +27,7 @@ ALGORITHMS = {  # one home each: (file, name defined there and nowhere else)
     "flow-energy score": ("policies/flow.py", "energies"),
     "coupled step": ("guidance/coupled.py", "CoupledGuidance"),
     "real-time chunking": ("policies/rtc.py", "prefix_guide"),
-    "debugging search": ("deploy/debugging.py", "attribute"),
+    "debugging search": ("deploy/debugging/search.py", "attribute"),
     "dataset format": ("dataset/hdf5.py", "DatasetWriter"),
     "command table": ("groundflow/cli.py", "COMMANDS"),
 }

@@ -1,4 +1,4 @@
-"""Camera sources (deploy/cameras.py), with a recorded video standing in for a device."""
+"""Camera sources (deploy/robots/cameras.py), with a recorded video standing in for a device."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import cv2
 import numpy as np
 import pytest
 
-from deploy.cameras import CameraError, CameraRig, Frame, OpenCVCamera, RealSenseCamera, parse_camera, parse_cameras
+from deploy.robots.cameras import CameraError, CameraRig, Frame, OpenCVCamera, RealSenseCamera, parse_camera, parse_cameras
 from deploy.commands import DeployArgs, make_robot
-from deploy.robot import Robot
-from deploy.sim_robot import SimRobot
+from deploy.robots.base import Robot
+from deploy.robots.sim import SimRobot
 from envs.errors import InvalidOptionError
 
 N_FRAMES, W, H = 30, 64, 48
@@ -216,7 +216,7 @@ def test_realsense_without_its_package_says_how_to_install():
 
 def test_deploy_sends_and_records_camera_images_for_a_policy_that_needs_them(video, tmp_path, capsys, caplog):
     from deploy.scripted import JointTargetPolicy
-    from deploy.server import PolicyServer
+    from deploy.serving.server import PolicyServer
     from groundflow.cli import main
 
     class NeedsFront(JointTargetPolicy):

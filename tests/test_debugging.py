@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import envs
-from deploy.debugging import (DebugConfig, DebuggingError, ModelStateError, Outcome, StateLayoutError, TrajectoryError,
+from deploy.debugging.search import (DebugConfig, DebuggingError, ModelStateError, Outcome, StateLayoutError, TrajectoryError,
                               attribute, debug, exhaustive_ablation, prepare)
-from deploy.debugging_faults import (ConstantPolicy, DapgMeanPolicy, Fault, FaultyEnv, Integrator, PushCubeController,
+from deploy.debugging.faults import (ConstantPolicy, DapgMeanPolicy, Fault, FaultyEnv, Integrator, PushCubeController,
                                      integrator_episode, record_episode)
-from deploy.debugging_report import debug_command
+from deploy.debugging.report import debug_command
 from envs.base import GroundflowEnv
 from envs.shifted import make_shifted
 from dataset import DatasetWriter, Episode

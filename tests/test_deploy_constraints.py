@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from deploy.client import LocalPolicy, PolicyClient
+from deploy.serving.client import LocalPolicy, PolicyClient
 from deploy.control import ControlLoop, LoopConfig
 from deploy.errors import ConstraintRefusedError, EXIT_CONSTRAINT_REFUSED, ServerError
 from deploy.evaluate import evaluate_via_server
 from deploy.safety import SafetyLayer
 from deploy.scripted import JointTargetPolicy
-from deploy.server import PolicyServer
-from deploy.sim_robot import SimRobot
+from deploy.serving.server import PolicyServer
+from deploy.robots.sim import SimRobot
 from envs.errors import InvalidOptionError
 from policies.constraints import ArmConstraints, ArmGuidance
 from tests.conftest import tiny_flow_policy

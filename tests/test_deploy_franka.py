@@ -11,22 +11,22 @@ import numpy as np
 import pytest
 from conftest import TickLog, recording, wait_for
 
-from deploy.franka_sim import available
+from deploy.robots.franka_sim import available
 
 pytestmark = [pytest.mark.robots,
               pytest.mark.skipif(available() is not None, reason=str(available())),
               pytest.mark.timeout(180)]
 
-from deploy.client import PolicyClient  # noqa: E402
+from deploy.serving.client import PolicyClient  # noqa: E402
 from deploy.control import ControlLoop, LoopConfig  # noqa: E402
 from deploy.errors import RobotConnectionError  # noqa: E402
-from deploy.franka import FrankaRobot  # noqa: E402
-from deploy.franka_sim import FrankySim  # noqa: E402
+from deploy.robots.franka import FrankaRobot  # noqa: E402
+from deploy.robots.franka_sim import FrankySim  # noqa: E402
 from deploy.fuzz import fuzz_actions, violations  # noqa: E402
-from deploy.kinematics import franka_fk  # noqa: E402
+from deploy.robots.kinematics import franka_fk  # noqa: E402
 from deploy.safety import SafetyConfig, SafetyLayer  # noqa: E402
 from deploy.scripted import JointTargetPolicy  # noqa: E402
-from deploy.server import PolicyServer  # noqa: E402
+from deploy.serving.server import PolicyServer  # noqa: E402
 
 
 RecordingFranka = recording(FrankaRobot)

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from conftest import TickLog, wait_for
 
-from deploy.client import LocalPolicy, PolicyClient
+from deploy.serving.client import LocalPolicy, PolicyClient
 from deploy.control import ControlLoop, LoopConfig
 from deploy.errors import HandshakeError
 from deploy.procs import popen_tied
 from deploy.scripted import JointTargetPolicy
-from deploy.server import PolicyServer
-from deploy.sim_robot import SimRobot
+from deploy.serving.server import PolicyServer
+from deploy.robots.sim import SimRobot
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -286,7 +286,7 @@ def test_deploy_command_runs_episodes_against_a_served_policy(tmp_path, capsys):
 
 
 def test_nan_and_far_out_chunks_from_the_server_are_held_not_executed(robot):
-    from deploy.protocol import widen_bounds
+    from deploy.serving.protocol import widen_bounds
 
     class Broken(JointTargetPolicy):
         """Two chunks in three are garbage: NaN, then 10 rad past the joint limits."""
@@ -322,7 +322,7 @@ def test_nan_and_far_out_chunks_from_the_server_are_held_not_executed(robot):
 def test_a_refused_first_chunk_is_asked_again_not_the_end_of_the_run(robot):
     """`groundflow deploy` of the demo's tabletop policy ended the whole run when an episode's first
     chunk overshot the far bounds (-1.43 on a [-1, 1] delta); mid-episode the same chunk is held."""
-    from deploy.protocol import widen_bounds
+    from deploy.serving.protocol import widen_bounds
 
     class FirstFar(JointTargetPolicy):
         def predict_action_chunk(self, obs, **kw):

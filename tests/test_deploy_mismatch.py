@@ -10,7 +10,7 @@ import pytest
 
 from conftest import tiny_flow_policy
 from deploy.scripted import JointTargetPolicy
-from deploy.server import PolicyServer
+from deploy.serving.server import PolicyServer
 from groundflow.cli import main
 
 INSTRUCTION = "move the cube"
@@ -69,7 +69,7 @@ def test_a_policy_announcing_nothing_runs_with_a_warning(caplog):
 
 
 def test_a_lost_server_ends_with_a_line_naming_the_recording(tmp_path, capsys, monkeypatch):
-    from deploy.sim_robot import SimRobot
+    from deploy.robots.sim import SimRobot
     rec = tmp_path / "lost.h5"
     policy = JointTargetPolicy(35, 8, [0.3, 0.6, 0.2, -1.6, 0.2, 2.5, 1.0], gripper=1.0)
     srv = PolicyServer(policy, port=0).start()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from deploy import protocol
-from deploy.client import PolicyClient
+from deploy.serving import protocol
+from deploy.serving.client import PolicyClient
 from deploy.errors import HandshakeError, ProtocolError, ServerError
 from deploy.scripted import JointTargetPolicy
-from deploy.server import PolicyServer
+from deploy.serving.server import PolicyServer
 
 STATE, ACTION = 35, 8
 

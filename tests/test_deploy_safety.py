@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from conftest import TickLog, recording, wait_for
 
-from deploy.client import LocalPolicy
+from deploy.serving.client import LocalPolicy
 from deploy.control import ControlLoop, LoopConfig
 from deploy.fuzz import BAD_KINDS, fuzz_actions, violations
-from deploy.kinematics import franka_tcp_position
+from deploy.robots.kinematics import franka_tcp_position
 from deploy.safety import REJECTING, SafetyConfig, SafetyLayer
 from deploy.scripted import JointTargetPolicy
-from deploy.sim_robot import PANDA_MAX_ACCELERATION, SimRobot
+from deploy.robots.sim import PANDA_MAX_ACCELERATION, SimRobot
 from envs.errors import InvalidOptionError
 
 

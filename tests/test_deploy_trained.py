@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import policies
-from deploy.client import PolicyClient
+from deploy.serving.client import PolicyClient
 from deploy.evaluate import evaluate_via_server
-from deploy.server import PolicyServer
+from deploy.serving.server import PolicyServer
 from train.bc import TrainArgs, train
 from train.collect import CollectArgs, collect
 from dataset import Dataset

@@ -20,7 +20,7 @@ from conftest import wait_for
 pytest.importorskip("rtde_receive")
 
 from deploy.errors import RobotCommandError, RobotConnectionError  # noqa: E402
-from deploy.ur import URRobot, check_status, servo_command, ur_spec  # noqa: E402
+from deploy.robots.ur import URRobot, check_status, servo_command, ur_spec  # noqa: E402
 from envs.errors import InvalidOptionError  # noqa: E402
 
 TYPES = {"timestamp": "DOUBLE", "actual_q": "VECTOR6D", "actual_qd": "VECTOR6D", "actual_TCP_pose": "VECTOR6D",

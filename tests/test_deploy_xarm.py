@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("xarm")
 
 from deploy.errors import RobotCommandError, RobotConnectionError  # noqa: E402
-from deploy.xarm import XArmRobot, check_code, code_name, xarm_spec  # noqa: E402
+from deploy.robots.xarm import XArmRobot, check_code, code_name, xarm_spec  # noqa: E402
 from envs.errors import InvalidOptionError  # noqa: E402
 
 

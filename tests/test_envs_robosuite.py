@@ -281,7 +281,7 @@ def test_kitchen_expert_success_rate(layout):
 
 # ----- RoboCasa ----------------------------------------------------------------------------------
 def test_robocasa_missing_assets_says_how_to_install():
-    from envs.robocasa import missing_robocasa
+    from envs.robosuite.robocasa import missing_robocasa
     if not missing_robocasa():
         pytest.skip("robocasa and its assets are installed here")
     with pytest.raises(MissingAssetsError) as e:

@@ -17,7 +17,7 @@ import torch
 
 import envs
 from envs.errors import InstructionError, InvalidOptionError
-from envs.kitchen import CORRELATED, TASKS as KITCHEN_TASKS
+from envs.robosuite.kitchen import CORRELATED, TASKS as KITCHEN_TASKS
 from envs.suite import Suite
 from policies import PolicyConfig, make_policy
 from policies.dual_branch import DualBranchFlow

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from deploy import protocol
-from deploy.client import PolicyClient
+from deploy.serving import protocol
+from deploy.serving.client import PolicyClient
 from deploy.errors import HandshakeError, ProtocolError, ServerError
 from deploy.scripted import JointTargetPolicy
-from deploy.server import PolicyServer
+from deploy.serving.server import PolicyServer
 from envs.errors import InvalidOptionError
 
 STATE, ACTION, CAM = 35, 8, "wrist"

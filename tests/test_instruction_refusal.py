@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_flow_policy
-from deploy.client import LocalPolicy, PolicyClient
+from deploy.serving.client import LocalPolicy, PolicyClient
 from deploy.errors import EXIT_INSTRUCTION_REFUSED, InstructionRefusedError
-from deploy.server import PolicyServer
+from deploy.serving.server import PolicyServer
 from groundflow.cli import main
 
 torch = pytest.importorskip("torch")
@@ -164,7 +164,7 @@ def test_serve_allow_unknown_keeps_the_old_behaviour(ckpts):
 
 def test_deploy_refusal_sends_no_motion_and_exits_3(ckpts, monkeypatch, capsys):
     import policies
-    from deploy.sim_robot import SimRobot
+    from deploy.robots.sim import SimRobot
     sent: list = []
     monkeypatch.setattr(SimRobot, "send_action", lambda self, a: sent.append(a))
     policy = policies.load(ckpts[0])

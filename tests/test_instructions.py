@@ -17,13 +17,13 @@ WORDINGS = json.loads((Path(__file__).parent / "data" / "instruction_wordings.js
 def _suite(name: str) -> tuple[list[str], list[tuple[str, str]]]:
     """Trained instructions and held-out paraphrases (set A) of a suite, from envs/."""
     if name == "tabletop":
-        from envs.maniskill_tasks.tabletop import TABLETOP_SUITE
+        from envs.maniskill.tasks.tabletop import TABLETOP_SUITE
         tasks = [(t.instruction, t.paraphrases) for t in TABLETOP_SUITE.tasks]
     elif name == "kitchen":
-        from envs.kitchen import TASKS
+        from envs.robosuite.kitchen import TASKS
         tasks = [(t.instruction, t.paraphrases) for t in TASKS]
     else:
-        from envs.libero import PARAPHRASES  # keys: the 10 LIBERO-Goal instructions
+        from envs.libero.env import PARAPHRASES  # keys: the 10 LIBERO-Goal instructions
         tasks = list(PARAPHRASES.items())
     return [t for t, _ in tasks], [(p, t) for t, ps in tasks for p in ps]
 

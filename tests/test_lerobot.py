@@ -105,7 +105,7 @@ def test_export_round_trip(tmp_path, check, version):
 
 def test_export_of_a_deployed_recording_takes_its_control_rate(tmp_path):
     from deploy.recording import Recorder
-    from deploy.robot import RobotSpec
+    from deploy.robots.base import RobotSpec
     spec = RobotSpec(name="arm", state_dim=3, action_dim=2, action_low=-np.ones(2), action_high=np.ones(2),
                      absolute=np.zeros(2, bool), control_rate_hz=15.0)
     rec = Recorder(tmp_path / "rec.h5", spec)

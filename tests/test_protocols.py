@@ -180,7 +180,7 @@ class SceneReader(ExpertPolicy):
     (which cube sits in which slot, and the column shift) and ignores the instruction."""
 
     def task_for(self, obs):
-        from envs.maniskill_tasks import correlated_layout
+        from envs.maniskill.tasks import correlated_layout
         pos = self.env.raw.cube_positions()
         perm = tuple(int(i) for i in np.argsort(pos[:, 0]))
         shift = int(pos[:, 0].mean() > 0)

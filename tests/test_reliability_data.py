@@ -655,7 +655,7 @@ def test_deploy_recording_on_a_full_disk_keeps_the_recorded_episodes(tmp_path, m
 
     from dataset import DiskFullError
     from deploy.recording import Recorder
-    from deploy.robot import RobotSpec
+    from deploy.robots.base import RobotSpec
     spec = RobotSpec(name="arm", state_dim=5, action_dim=3, action_low=-np.ones(3), action_high=np.ones(3),
                      absolute=np.zeros(3, bool), control_rate_hz=10.0)
     rec = Recorder(tmp_path / "rec.h5", spec, env_id="test/env")

@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from deploy import protocol
-from deploy.client import PolicyClient
+from deploy.serving import protocol
+from deploy.serving.client import PolicyClient
 from deploy.scripted import JointTargetPolicy
-from deploy.server import PolicyServer
+from deploy.serving.server import PolicyServer
 
 STATE, ACTION, INSTR = 35, 8, "push the cube to the goal region"
 

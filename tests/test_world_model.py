@@ -22,7 +22,7 @@ class NoisyDapg:
     """DAPG mean action + Gaussian noise: diverse door transitions for training."""
 
     def __init__(self, std: float, seed: int):
-        from deploy.debugging_faults import DapgMeanPolicy
+        from deploy.debugging.faults import DapgMeanPolicy
         self.pi, self.std, self.rng = DapgMeanPolicy("door"), std, np.random.default_rng(seed)
 
     def select_action(self, obs):
@@ -32,7 +32,7 @@ class NoisyDapg:
 
 @pytest.fixture(scope="module")
 def door_data(tmp_path_factory):
-    from deploy.debugging_faults import record_episode
+    from deploy.debugging.faults import record_episode
     path = tmp_path_factory.mktemp("wm") / "door.h5"
     env = envs.make("adroit/door", max_episode_steps=60)
     with DatasetWriter(path, "adroit/door", env.state_dim, 28, meta={"source": "test"}) as w:

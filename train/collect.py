@@ -199,7 +199,7 @@ def _student(args: CollectArgs, env: Any, expert: Any) -> Any:
         return None
     if not 0 <= args.student_beta < 1:
         raise InvalidOptionError(f"--student-beta must be in [0, 1), got {args.student_beta}")
-    from envs.maniskill_experts import MotionPlanningExpert
+    from envs.maniskill.experts import MotionPlanningExpert
     if isinstance(expert, MotionPlanningExpert):
         raise InvalidOptionError(f"--student: {env.env_id}'s expert replays a motion plan made at reset, so it cannot "
                                  "label the states a student reaches; use a closed-loop expert (e.g. PushCube-v1 "

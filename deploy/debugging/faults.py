@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from deploy.debugging_rollouts import PolicyRunner
+from deploy.debugging.rollouts import PolicyRunner
 from envs.base import GroundflowEnv
 from envs.errors import InvalidOptionError
 from envs.shifted import ShiftedEnv

@@ -46,11 +46,11 @@ from typing import Any
 
 import numpy as np
 
-from deploy import protocol
+from deploy.serving import protocol
 from deploy.errors import ConstraintRefusedError, ProtocolError, ServerAddressError
-from deploy.inference import action_bounds, can_constrain, infer_chunk, infer_constrained, policy_metadata
+from deploy.serving.inference import action_bounds, can_constrain, infer_chunk, infer_constrained, policy_metadata
 from envs.errors import InvalidOptionError
-from deploy.inference import resolve_obs_instruction
+from deploy.serving.inference import resolve_obs_instruction
 from policies.constraints import ArmConstraints
 from policies.instructions import UnknownInstructionError
 from policies.model import NULL_INSTRUCTION, instruction_resolver
@@ -127,7 +127,7 @@ def _gated_connection() -> type:
 
 
 class PolicyServer:
-    """Serve ``policy`` (the interface ``deploy.inference`` describes)."""
+    """Serve ``policy`` (the interface ``deploy.serving.inference`` describes)."""
 
     def __init__(self, policy: Any, host: str = "127.0.0.1", port: int = 8000, *,
                  max_message_bytes: int = protocol.MAX_MESSAGE_BYTES, rtc: RTCConfig | None = None,

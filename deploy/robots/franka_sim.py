@@ -28,7 +28,7 @@ from pathlib import Path
 from deploy.errors import DriverMissingError, RobotConnectionError
 from deploy.procs import popen_tied
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pinocchio_compat() -> None:
@@ -53,7 +53,7 @@ def _candidates(host: str) -> list[str]:
 
 
 def serve(host: str = "auto", realtime: float = 1.0) -> None:
-    """Run the simulator in this process until SIGINT (the ``python -m deploy.franka_sim`` body)."""
+    """Run the simulator in this process until SIGINT (the ``python -m deploy.robots.franka_sim`` body)."""
     from envs import platform_setup  # the simulator child process only: sets up rendering before franky_sim
     platform_setup.setup()
     _pinocchio_compat()
@@ -85,7 +85,7 @@ class FrankySim:
             raise DriverMissingError(why)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = popen_tied([self.python, "-m", "deploy.franka_sim", "--host", self.requested_host],
+        self.proc = popen_tied([self.python, "-m", "deploy.robots.franka_sim", "--host", self.requested_host],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(ROOT))
         deadline = time.monotonic() + self.startup_timeout_s
         lines: list[str] = []

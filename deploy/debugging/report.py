@@ -25,9 +25,9 @@ import tyro
 from tqdm import tqdm
 
 import envs
-from deploy.debugging import Ablation, Attribution, DebugConfig, attribute, exhaustive_ablation, prepare
-from deploy.debugging_faults import DapgMeanPolicy, PushCubeController
-from deploy.debugging_rollouts import CHANNELS, DebuggingError, Outcome, TrajectoryError
+from deploy.debugging.search import Ablation, Attribution, DebugConfig, attribute, exhaustive_ablation, prepare
+from deploy.debugging.faults import DapgMeanPolicy, PushCubeController
+from deploy.debugging.rollouts import CHANNELS, DebuggingError, Outcome, TrajectoryError
 from dataset import Dataset, DatasetError
 
 PLOTS = {"search": "outcome_along_search.png", "errors": "step_errors.png", "traces": "outcome_traces.png"}

@@ -40,7 +40,7 @@ import numpy as np
 
 from envs import platform_setup
 from envs.errors import InstructionError, InvalidOptionError, MissingAssetsError, UnknownEnvError
-from envs.robosuite_backend import (STATE_KEYS, RobosuiteEnv, check_cameras, check_positive_int,
+from envs.robosuite.env import (STATE_KEYS, RobosuiteEnv, check_cameras, check_positive_int,
                                     controller_config, import_robosuite)
 from envs.suite import Suite, Task
 
@@ -323,7 +323,7 @@ class LiberoEnv(RobosuiteEnv):
     def make_expert(self, noise: float = 0.0, task_id: int | None = None, seed: int | None = None):
         if not self.env_id.startswith("libero/goal") and self.env_id != "libero/GoalSuite":
             raise NotImplementedError(f"{self.env_id}: scripted experts exist for LIBERO-Goal only")
-        from envs.libero_experts import LiberoGoalExpert
+        from envs.libero.experts import LiberoGoalExpert
         return LiberoGoalExpert(noise=noise, task_id=task_id, seed=seed)
 
 

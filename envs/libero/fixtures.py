@@ -1,7 +1,7 @@
 """Scripted LIBERO-Goal skills on the scene's fixtures: cabinet drawers, the stove knob, sliding the plate.
 
 Each skill is a small state machine over named phases that reads the true simulator state through
-:class:`envs.libero_scene.Scene`. Fixture placement changes between resets, so every target is
+:class:`envs.libero.scene.Scene`. Fixture placement changes between resets, so every target is
 read live from the simulator (drawer handle geom, knob joint anchor, plate body), never hard-coded
 in world coordinates. A skill started in a state where its goal already holds ends at once.
 """
@@ -13,7 +13,7 @@ from typing import Callable
 import numpy as np
 
 from envs.geometry import rotvec
-from envs.libero_scene import HOME_R, Scene, Skill, top_down
+from envs.libero.scene import HOME_R, Scene, Skill, top_down
 
 CABINET = "wooden_cabinet_1"
 DRAWER_OPEN_Q = -0.155   # slide joint range [-0.16, 0.01]; LIBERO's Open needs qpos < -0.14

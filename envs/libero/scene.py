@@ -1,8 +1,8 @@
 """What the scripted LIBERO-Goal skills share: privileged reads of the simulator (:class:`Scene`),
 the OSC_POSE command toward a pose, the skill protocol, and :class:`Release` (back to the start pose).
 
-The skills live in ``envs.libero_pick`` (pick-and-place) and ``envs.libero_fixtures`` (drawers,
-the stove knob, sliding the plate); ``envs.libero_experts`` runs them in order per task.
+The skills live in ``envs.libero.pick`` (pick-and-place) and ``envs.libero.fixtures`` (drawers,
+the stove knob, sliding the plate); ``envs.libero.experts`` runs them in order per task.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class ScriptedPushCubeExpert:
         self.raw = genv.raw
 
     def act(self, obs: dict | None = None) -> np.ndarray:
-        from envs.maniskill_tasks.table_scene import push_step
+        from envs.maniskill.tasks.table_scene import push_step
         if self.raw is None:
             raise RuntimeError("call expert.reset(env, obs) before act()")
         p = [x.pose.p[0].detach().cpu().numpy().astype(np.float64)

@@ -15,8 +15,8 @@ from typing import Callable
 import numpy as np
 
 from envs.geometry import rotvec
-from envs.libero_scene import Scene, Skill, top_down
-from envs.libero_fixtures import OpenDrawer
+from envs.libero.scene import Scene, Skill, top_down
+from envs.libero.fixtures import OpenDrawer
 
 BOWL, CHEESE, BOTTLE, PLATE = "akita_black_bowl_1", "cream_cheese_1", "wine_bottle_1", "plate_1"
 BOWL_RIM = 0.047  # bowl centre to the middle of its rim wall (outer radius 0.053)

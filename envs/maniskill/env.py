@@ -15,7 +15,7 @@ import numpy as np
 from envs import platform_setup
 from envs.base import GroundflowEnv, Obs
 from envs.errors import InvalidOptionError, MissingAssetsError
-from envs.maniskill_experts import MotionPlanningExpert, ScriptedPushCubeExpert
+from envs.maniskill.experts import MotionPlanningExpert, ScriptedPushCubeExpert
 from envs.physics import ManiSkillPhysics
 
 # Episode limits sized to the motion-planning experts (ManiSkill's own 50-step limits are
@@ -41,7 +41,7 @@ def _import_maniskill():
     except ImportError as e:  # pragma: no cover - install problem
         raise MissingAssetsError(f"mani_skill is not importable ({e}); run `make setup`") from e
     # Lazy like mani_skill above: the task modules load mani_skill and SAPIEN (slow) and register our tasks.
-    import envs.maniskill_tasks  # noqa: F401
+    import envs.maniskill.tasks  # noqa: F401
 
 
 def make_maniskill(env_id: str, ms_id: str, **options: Any) -> "ManiSkillEnv":

@@ -22,7 +22,7 @@ import numpy as np
 
 import envs
 from envs.base import state_slices
-from deploy.robot import Obs, RobotSpec, check_connected
+from deploy.robots.base import Obs, RobotSpec, check_connected
 from envs.errors import InvalidOptionError
 
 # Franka Panda/FR3 joint limits from the datasheet (rad/s, rad/s^2); used for ManiSkill's Panda.

@@ -1,4 +1,4 @@
-"""``PolicyClient``: the robot-computer side of the policy server protocol (``deploy.protocol``).
+"""``PolicyClient``: the robot-computer side of the policy server protocol (``deploy.serving.protocol``).
 
     client = PolicyClient("127.0.0.1", 8000, timeout=2.0, expect={"action_dim": 8, "state_dim": 35})
     reply = client.infer(obs)          # reply.actions (H, A), reply.timing {"rtt_ms", "infer_ms", ...}
@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from deploy import protocol
+from deploy.serving import protocol
 from deploy.errors import (ConstraintRefusedError, HandshakeError, InstructionRefusedError, PolicyUnavailableError,
                            ProtocolError, ServerError)
-from deploy.inference import can_constrain, infer_chunk, infer_constrained, policy_metadata, resolve_obs_instruction
+from deploy.serving.inference import can_constrain, infer_chunk, infer_constrained, policy_metadata, resolve_obs_instruction
 from envs.errors import InvalidOptionError
 from policies.rtc import RTCConfig
 

@@ -1,13 +1,13 @@
 """Counterfactual world-model debugging: which steps' model errors caused the real-vs-model gap?
 
-    from deploy.debugging import DebugConfig, Outcome, debug
+    from deploy.debugging.search import DebugConfig, Outcome, debug
     result = debug(model_env, policy, real_episode, DebugConfig(outcome=Outcome("return")))
     result.causal            # ranked steps: marginal effect, error type, error size
     result.to_dict()         # raw numbers (JSON)
 
 ``f(S)`` is the outcome of a hybrid rollout: the policy runs in the world model from the real
 initial state, and the model's residuals along the real trajectory are added at the steps in
-``S`` (see :mod:`deploy.debugging_rollouts`). ``f({})`` is the model's promise, ``f(all)`` the real
+``S`` (see :mod:`deploy.debugging.rollouts`). ``f({})`` is the model's promise, ``f(all)`` the real
 outcome. A patch *reproduces* the real outcome when ``|f(S) - f(all)| <= tol`` with
 ``tol = max(abs_tol, rel_tol * |f(all) - f({})|)``.
 
@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from deploy.debugging_rollouts import (CHANNELS, NC, DebuggingError, EnvModel, HybridRollouts, ModelStateError,
+from deploy.debugging.rollouts import (CHANNELS, NC, DebuggingError, EnvModel, HybridRollouts, ModelStateError,
                                        Outcome, Residuals, RolloutBudgetExceeded, StateLayoutError, TrajectoryError,
                                        action_reproduction_error, compute_residuals, real_trajectory)
 from envs.base import GroundflowEnv

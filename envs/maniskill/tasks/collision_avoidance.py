@@ -2,7 +2,7 @@
 
 Move the TCP to a goal point. Demonstrations (``obstacles="none"``) go straight; evaluation puts
 kinematic boxes or spheres across the straight path and reports collisions and clearance.
-World frame and action space: see ``envs.maniskill_tasks.table_scene``.
+World frame and action space: see ``envs.maniskill.tasks.table_scene``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from mani_skill.utils.structs import Pose  # noqa: E402
 
 from envs.errors import InvalidOptionError  # noqa: E402
 from envs.geometry import box_surface  # noqa: E402
-from envs.maniskill_tasks.table_scene import PARK, _TableTask, _check_cpu_single, _move, _p, _raw_pose  # noqa: E402
+from envs.maniskill.tasks.table_scene import PARK, _TableTask, _check_cpu_single, _move, _p, _raw_pose  # noqa: E402
 
 OBSTACLE_MODES = ("none", "box", "sphere", "random")
 GOAL_TOLERANCE = 0.025  # success: TCP within this distance of the goal point

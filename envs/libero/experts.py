@@ -1,8 +1,8 @@
 """Scripted privileged-state experts for the 10 LIBERO-Goal tasks.
 
-An expert is a list of skills run in order (``envs.libero_pick``: pick-and-place;
-``envs.libero_fixtures``: drawers, the stove knob, pushing the plate). Skills read the true
-simulator state through ``envs.libero_scene.Scene`` and command OSC_POSE deltas:
+An expert is a list of skills run in order (``envs.libero.pick``: pick-and-place;
+``envs.libero.fixtures``: drawers, the stove knob, pushing the plate). Skills read the true
+simulator state through ``envs.libero.scene.Scene`` and command OSC_POSE deltas:
 
     expert = env.make_expert()          # the env's commanded task
     expert.reset(env, obs)
@@ -20,9 +20,9 @@ import numpy as np
 
 from envs.errors import InvalidOptionError
 from envs.geometry import rotvec
-from envs.libero_fixtures import FIXTURE_TASKS
-from envs.libero_pick import PICK_TASKS
-from envs.libero_scene import HOME, HOME_R, Release, Scene, Skill
+from envs.libero.fixtures import FIXTURE_TASKS
+from envs.libero.pick import PICK_TASKS
+from envs.libero.scene import HOME, HOME_R, Release, Scene, Skill
 
 
 def _task_skills() -> dict[int, Callable[[], list[Skill]]]:

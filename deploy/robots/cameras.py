@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping, Protocol, runtime_checkable
 import numpy as np
 
 from deploy.errors import DriverMissingError, RobotConnectionError
-from deploy.robot import Obs, Robot, RobotSpec
+from deploy.robots.base import Obs, Robot, RobotSpec
 from envs.errors import InvalidOptionError
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from deploy import protocol
+from deploy.serving import protocol
 from deploy.errors import ConstraintRefusedError
 from policies.rtc import RTCConfig
 

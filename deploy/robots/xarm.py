@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from deploy.errors import DriverMissingError, RobotCommandError, RobotConnectionError
-from deploy.robot import Obs, RobotSpec, check_connected
+from deploy.robots.base import Obs, RobotSpec, check_connected
 from envs.errors import InvalidOptionError
 
 GRIPPER_MAX_WIDTH = 0.085  # m; the SDK's gripper position runs 0..850

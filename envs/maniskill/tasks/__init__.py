@@ -17,12 +17,12 @@ step (20 Hz); gripper +1 opens, -1 closes.
 Modules: ``table_scene`` (what both tasks share: the Panda on ManiSkill's table, cameras, pose
 readers, TCP steering), ``tabletop`` and ``collision_avoidance`` (one task and its expert each).
 Importing this package imports ManiSkill and SAPIEN and registers both tasks with ManiSkill, so
-``envs.maniskill`` imports it only when a ManiSkill env is made.
+``envs.maniskill.env`` imports it only when a ManiSkill env is made.
 """
 
 # isort: off  (registration order with ManiSkill: tabletop first, as in the single module this package replaced)
-from envs.maniskill_tasks.tabletop import TABLETOP_SUITE, GroundflowTabletopEnv, TabletopExpert, correlated_layout
-from envs.maniskill_tasks.collision_avoidance import GroundflowCollisionAvoidanceEnv, StraightReachExpert
+from envs.maniskill.tasks.tabletop import TABLETOP_SUITE, GroundflowTabletopEnv, TabletopExpert, correlated_layout
+from envs.maniskill.tasks.collision_avoidance import GroundflowCollisionAvoidanceEnv, StraightReachExpert
 # isort: on
 
 __all__ = ["GroundflowTabletopEnv", "TabletopExpert", "TABLETOP_SUITE", "correlated_layout",

@@ -59,7 +59,7 @@ class _TableTask(BaseEnv):
     sensor camera, and a render camera aimed ``render_target_z`` metres above the table.
 
     BLAS threads (the CPU ``pd_ee_*`` IK does ~50 tiny numpy solves per step) are limited to one
-    process-wide by ``envs.platform_setup.setup``, which ``envs.maniskill`` runs before import."""
+    process-wide by ``envs.platform_setup.setup``, which ``envs.maniskill.env`` runs before import."""
 
     render_target_z = 0.1
 

@@ -3,7 +3,7 @@
 RoboCasa is not on PyPI and its kitchen assets (textures, fixtures, objaverse objects; ~10 GB)
 are a separate download, so on an offline machine this adapter only says exactly what is missing
 and how to install it: there is no silent fallback. The RoboCasa-style tasks that run anywhere
-are ``envs.make("robosuite/KitchenSuite")`` (envs/kitchen.py).
+are ``envs.make("robosuite/KitchenSuite")`` (envs/robosuite/kitchen.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from envs.errors import InvalidOptionError, MissingAssetsError
-from envs.robosuite_backend import RobosuiteEnv, check_cameras, check_positive_int, import_robosuite
+from envs.robosuite.env import RobosuiteEnv, check_cameras, check_positive_int, import_robosuite
 
 # Our task names (RoboCasa v0.x) -> names the task has had in RoboCasa releases (v0.x, v1.x).
 TASK_ALIASES: dict[str, tuple[str, ...]] = {

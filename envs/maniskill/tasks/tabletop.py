@@ -4,7 +4,7 @@ Three cubes (red, green, blue) in a column of slots in front of the robot and tw
 ("left" at +y, "right" at -y, seen from the robot). Twelve instructions are feasible from every
 initial state: push a cube to a goal (6), pick up a cube (3), stack one cube on another (3). The
 commanded task comes from ``reset(options={"task_id": i})`` and is never part of the state vector.
-World frame and action space: see ``envs.maniskill_tasks.table_scene``.
+World frame and action space: see ``envs.maniskill.tasks.table_scene``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from mani_skill.utils.registration import register_env  # noqa: E402
 from mani_skill.utils.structs import Pose  # noqa: E402
 
 from envs.errors import InstructionError, InvalidOptionError  # noqa: E402
-from envs.maniskill_tasks.table_scene import (GAIN, _TableTask, _check_cpu_single, _disc_builder, _move,  # noqa: E402
+from envs.maniskill.tasks.table_scene import (GAIN, _TableTask, _check_cpu_single, _disc_builder, _move,  # noqa: E402
                                               _p, _raw_pose, _rot, _yaw_quat, push_step)
 from envs.suite import Suite, Task, check_layout_rho  # noqa: E402
 

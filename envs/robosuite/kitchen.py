@@ -34,7 +34,7 @@ import numpy as np
 
 from envs.errors import InstructionError, InvalidOptionError
 from envs.geometry import rotvec
-from envs.robosuite_backend import (CONTROLLERS, RobosuiteEnv, check_cameras, check_positive_int,
+from envs.robosuite.env import (CONTROLLERS, RobosuiteEnv, check_cameras, check_positive_int,
                                     import_robosuite, make_robosuite_env)
 from envs.suite import Suite, Task, check_layout_rho
 

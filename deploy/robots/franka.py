@@ -10,7 +10,7 @@ arm state is one read of franky's robot state; the gripper width is a network ro
 gripper server, so it is refreshed at most every ``gripper_read_s`` (0.1 s) and not mid-move.
 
 franky is imported only when a FrankaRobot is created: it ships x86_64 Linux wheels only.
-Test it against franky-sim on loopback (``deploy.franka_sim.FrankySim``).
+Test it against franky-sim on loopback (``deploy.robots.franka_sim.FrankySim``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from deploy.errors import DriverMissingError, RobotCommandError, RobotConnectionError
-from deploy.kinematics import franka_tcp_position
-from deploy.robot import Obs, RobotSpec, check_connected
+from deploy.robots.kinematics import franka_tcp_position
+from deploy.robots.base import Obs, RobotSpec, check_connected
 from envs.errors import InvalidOptionError
 
 # Joint limits from Franka's datasheets (rad, rad/s, rad/s^2).

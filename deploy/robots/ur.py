@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from deploy.errors import DriverMissingError, RobotCommandError, RobotConnectionError
-from deploy.robot import Obs, RobotSpec, check_connected
+from deploy.robots.base import Obs, RobotSpec, check_connected
 from envs.errors import InvalidOptionError
 
 ROBOT_MODES = {-1: "NO_CONTROLLER", 0: "DISCONNECTED", 1: "CONFIRM_SAFETY", 2: "BOOTING", 3: "POWER_OFF",
