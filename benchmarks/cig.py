@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, RESULTS, ROOT, machine, md_table  # noqa: E402
+from common import DATA, ROOT, machine, md_table, piece_path, result_path  # noqa: E402
 
 import tyro  # noqa: E402
 
@@ -72,7 +72,8 @@ class Args:
     quick: bool = False
     """tiny budgets, for a smoke run (numbers meaningless)"""
     results: str = "cig"
-    """results file stem under benchmarks/results (separate stems let runs go in parallel)"""
+    """results file stem: cig is benchmarks/results/cig.json, any other stem a per-run piece in
+    benchmarks/results/runs/ (git-ignored; separate stems let runs go in parallel)"""
     merge: tuple[str, ...] = ()
     """only merge the suites of these result stems into --results and rewrite its table and plot"""
 
@@ -135,12 +136,14 @@ def main() -> None:
     for s in a.suites:
         if s not in SUITES:
             raise SystemExit(f"unknown suite {s!r}; valid: {list(SUITES)}")
-    path = RESULTS / ("cig_quick.json" if a.quick else f"{a.results}.json")
-    res = json.loads(path.read_text()) if path.exists() else {}
+    path = result_path("cig_quick" if a.quick else a.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    src = piece_path(path.stem)  # a piece written before benchmarks/results/runs/ resumes from where it was
+    res = json.loads(src.read_text()) if src.exists() else {}
     res.setdefault("suites", {})
     if a.merge:
         for stem in a.merge:
-            other = json.loads((RESULTS / f"{stem}.json").read_text())
+            other = json.loads(piece_path(stem).read_text())
             for suite, by_kind in other["suites"].items():
                 for kind, by_m in by_kind.items():
                     res["suites"].setdefault(suite, {}).setdefault(kind, {}).update(by_m)

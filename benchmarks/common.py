@@ -15,6 +15,11 @@ from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+RUNS = RESULTS / "runs"
+"""per-run pieces (``--results g3_prot_s0``): git-ignored, read from here by the benchmark's ``--merge``"""
+MANIFEST = "manifest.json"
+"""in RESULTS: the provenance (command, commit, seeds, content) of the pieces that left the tree; a
+results file merged from such pieces names it in its top-level ``manifest`` key"""
 DATA = ROOT / "data" / "bench"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -71,23 +76,45 @@ def machine() -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d")}
 
 
+def result_path(stem: str, suffix: str = ".json") -> Path:
+    """Where ``<stem><suffix>`` is written: RESULTS when the stem names a benchmark script (``grounding``:
+    one tracked results file per benchmark), RUNS for any other stem (a per-run piece, git-ignored
+    until the benchmark's ``--merge`` joins it into that file)."""
+    own = (Path(__file__).resolve().parent / f"{stem}.py").is_file()
+    return (RESULTS if own else RUNS) / f"{stem}{suffix}"
+
+
+def piece_path(stem: str) -> Path:
+    """``<stem>.json`` as a merge step reads it: where ``result_path`` writes it, or in RESULTS where
+    pieces were written before RUNS existed (so a piece left there by an older checkout still merges)."""
+    path, before = result_path(stem), RESULTS / f"{stem}.json"
+    return before if not path.exists() and before.exists() else path
+
+
+def name_manifest(stem: str, res: dict[str, Any]) -> None:
+    """A merge step's mark on the benchmark's own results file: where its pieces' provenance went
+    (not on a piece merged into another piece in RUNS, where the relative name would not resolve)."""
+    if result_path(stem).parent == RESULTS:
+        res["manifest"] = MANIFEST
+
+
 def write(name: str, data: dict[str, Any], table: str, merge: bool = False) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    if merge and path.exists():
-        old = json.loads(path.read_text())
+    path = result_path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if merge and (src := piece_path(name)).exists():
+        old = json.loads(src.read_text())
         old.update(data)
         data = old
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2))
     os.replace(tmp, path)
-    (RESULTS / f"{name}.md").write_text(table)
+    result_path(name, ".md").write_text(table)
     print(table)
 
 
 def load_results(stem: str) -> dict[str, Any]:
-    """``benchmarks/results/<stem>.json`` ({} before the first run)."""
-    path = RESULTS / f"{stem}.json"
+    """``<stem>.json`` from ``piece_path`` ({} before the first run)."""
+    path = piece_path(stem)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -95,13 +122,13 @@ def save_results(stem: str, res: dict[str, Any], table: Callable[[dict[str, Any]
     """Write ``<stem>.json`` atomically (a per-process temp file, then rename) with the machine
     stamped in, and the markdown ``table(res)`` beside it; parts of a benchmark run one after another save
     after every entry, so a killed run keeps what it measured."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = result_path(stem)
+    path.parent.mkdir(parents=True, exist_ok=True)
     res["machine"] = machine()
-    path = RESULTS / f"{stem}.json"
     tmp = path.with_suffix(f".json.tmp{os.getpid()}")
     tmp.write_text(json.dumps(res, indent=2))
     os.replace(tmp, path)
-    (RESULTS / f"{stem}.md").write_text(table(res))
+    result_path(stem, ".md").write_text(table(res))
 
 
 def merge_json(path: Path, sections: dict[str, Any], indent: int = 2) -> dict[str, Any]:

@@ -94,7 +94,8 @@ class Args:
     """suffix of the result names (another budget beside the default rows, e.g. --steps 3000 --tag _3k)"""
     runs: Path = ROOT / "runs" / "vision"
     results: str = "vision"
-    """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
+    """results file stem: vision is benchmarks/results/vision.json, any other stem a per-run piece in
+    benchmarks/results/runs/ (git-ignored; separate stems let parts run in parallel)"""
     merge: tuple[str, ...] | None = None
     """only merge the task/perturbation entries of these result stems into --results, rewrite the table
     (``--merge`` alone: just rewrite the table)"""
