@@ -35,19 +35,19 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, RESULTS, ROOT, machine, md_table  # noqa: E402
+from common import DATA, ROOT, machine, md_table, name_manifest, piece_path, result_path  # noqa: E402
 
 import torch  # noqa: E402
 import tyro  # noqa: E402
 
 import policies  # noqa: E402
 from envs.metrics import wilson  # noqa: E402
-from train.bc import train  # noqa: E402
+from train.bc import TrainArgs, train  # noqa: E402
 from train.cig import CIGOptions  # noqa: E402
 from train.collect import CollectArgs, collect  # noqa: E402
 from train.evaluate import evaluate  # noqa: E402
@@ -66,6 +66,9 @@ ABLATION = {  # name -> overrides of the multitask recipe (tabletop, flow)
     "late_fusion_H16_exec8 (old default)": {"fusion": "late", "lang_norm": False, "horizon": 16, "n_exec": 8,
                                             "state_hidden": 0, "batch_size": 64, "lr": 3e-4},
 }
+CIG_RECIPE = recipe_args("multitask_cig").cig
+"""every CIG method's options: the ``multitask_cig`` recipe's (``cig_bounded_joint``, the best row), with the
+method's variant, mode and suffix and --cig-weight"""
 METHODS = ("bc", "bc_continuation", "cig_bounded_continuation", "dual_branch", "relabel", "bc_cfg",
            "cig_detached_continuation", "cig_full_continuation", "cig_pmi_continuation", "bc_2x", "cig_bounded_joint",
            "cig_bounded_joint_early", "cig_bounded_joint_consistent", "cig_full_joint", "cig_detached_joint", "cig_pmi_joint")
@@ -99,7 +102,7 @@ class Args:
     cig_steps: int = 2000
     """continuation steps from the BC checkpoint (CIG continuation, and bc_continuation: the same
     extra steps without the CIG term, so every continuation row has equal compute)"""
-    cig_weight: float = 1.0
+    cig_weight: float = CIG_RECIPE.weight
     """lambda of every CIG method (L = L_BC + lambda L_CIG); give other values their own --runs and --label"""
     cig_early: float = 0.25
     """``..._early`` CIG methods: the term only on samples in the first this fraction of their demo
@@ -123,7 +126,8 @@ class Args:
     cfg_scale: float = 2.0
     runs: Path = ROOT / "runs" / "grounding"
     results: str = "grounding"
-    """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
+    """results file stem: grounding is benchmarks/results/grounding.json, any other stem a per-run piece in
+    benchmarks/results/runs/ (git-ignored; separate stems let parts run in parallel)"""
     checkpoints: tuple[str, ...] = ()
     """copycat part: NAME=RUN_DIR pairs (each the run of one suite in --suites)"""
     merge: tuple[str, ...] = ()
@@ -140,19 +144,23 @@ def _demos(suite: str, n: int, layout: str = "random", rho: float = 1.0) -> Path
     return path
 
 
-def _train(a: Args, out: Path, **kw: Any) -> dict[str, Any]:
-    """Train (or reuse a finished run in ``out``) with the multitask recipe plus ``kw``."""
+def _train_args(a: Args, out: Path, recipe: str = "multitask", **kw: Any) -> TrainArgs:
+    """What ``_train`` trains: ``recipe`` (train/recipes.py) plus ``kw``, --steps and --relative-state."""
+    if a.steps and "steps" not in kw:
+        kw["steps"] = a.steps
+    if a.relative_state and "init_from" not in kw:
+        kw["relative_state"] = a.relative_state
+    return recipe_args(recipe, out=out, wandb="disabled", progress=False, save_every=10**9, **kw)
+
+
+def _train(a: Args, out: Path, recipe: str = "multitask", **kw: Any) -> dict[str, Any]:
+    """Train (or reuse a finished run in ``out``) with ``recipe`` plus ``kw``."""
     summary = out / "summary.json"
     if summary.exists():
         return json.loads(summary.read_text())
     if out.exists():  # an unfinished earlier run: start over
         shutil.rmtree(out)
-    if a.steps and "steps" not in kw:
-        kw["steps"] = a.steps
-    if a.relative_state and "init_from" not in kw:
-        kw["relative_state"] = a.relative_state
-    args = recipe_args("multitask", out=out, wandb="disabled", progress=False, save_every=10**9, **kw)
-    s = train(args)
+    s = train(_train_args(a, out, recipe, **kw))
     s["train_minutes"] = s["seconds"] / 60
     summary.write_text(json.dumps({k: v for k, v in s.items() if k != "history"}, indent=2, default=str))
     return json.loads(summary.read_text())
@@ -175,14 +183,14 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _save(a: Args, res: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{a.results}.json"
+    path = result_path(a.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
     res["machine"] = machine()
     tmp = path.with_suffix(f".json.tmp{os.getpid()}")
     tmp.write_text(json.dumps(res, indent=2))
     os.replace(tmp, path)
-    (RESULTS / f"{a.results}.md").write_text(_table(res))
-    _plot(res, RESULTS / f"{a.results}_confusion.png")
+    result_path(a.results, ".md").write_text(_table(res))
+    _plot(res, result_path(a.results, "_confusion.png"))
 
 
 def competence(a: Args, res: dict[str, Any]) -> None:
@@ -324,18 +332,10 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
     elif method == "bc_2x":  # twice the recipe's steps: the compute of joint CIG (measured 2.0x BC's time per step)
         _train(a, out, policy=fam, data=(data,), seed=seed, steps=2 * (a.steps or recipe_args("multitask").steps))
     elif method.startswith("cig_"):
-        _, variant, mode, *extra = method.split("_")
-        if extra not in ([], ["early"], ["consistent"]):
-            raise ValueError(f"unknown CIG method suffix in {method!r}: none, _early or _consistent")
-        cig = CIGOptions(weight=a.cig_weight, variant=variant, negatives=3, draws=2, batch=64,
-                         max_progress=a.cig_early if extra == ["early"] else 1.0,
-                         demonstrated_radius=a.cig_radius if extra == ["consistent"] else 0.0)
-        if mode == "continuation":
-            _train(a, out, policy=fam, data=(data,), seed=seed, cig=cig, **cont)
-        elif mode == "joint":  # from scratch with the CIG term all along (the recipe's steps)
-            _train(a, out, policy=fam, data=(data,), seed=seed, cig=cig)
-        else:
-            raise ValueError(f"unknown CIG mode in {method!r}: continuation or joint")
+        mode, cig = _cig_method(a, method)
+        # joint: from scratch with the CIG term all along (the recipe's steps); continuation: from the BC run
+        _train(a, out, "multitask_cig", policy=fam, data=(data,), seed=seed, cig=cig,
+               **(cont if mode == "continuation" else {}))
     elif method == "relabel":
         rel = DATA / f"{data.stem}_relabel_k{a.relabel_k}.h5"
         if not rel.exists():
@@ -344,6 +344,18 @@ def _method_ckpt(a: Args, suite: str, fam: str, method: str, seed: int, cond: st
     else:
         raise ValueError(f"unknown method {method!r}; known: {METHODS}")
     return out / "ckpt"
+
+
+def _cig_method(a: Args, method: str) -> tuple[str, CIGOptions]:
+    """(mode, CIG options) of ``cig_<variant>_<joint|continuation>[_early|_consistent]``: ``CIG_RECIPE``
+    with the method's variant, --cig-weight, and the suffix's --cig-early or --cig-radius."""
+    _, variant, mode, *extra = method.split("_")
+    if extra not in ([], ["early"], ["consistent"]):
+        raise ValueError(f"unknown CIG method suffix in {method!r}: none, _early or _consistent")
+    if mode not in ("continuation", "joint"):
+        raise ValueError(f"unknown CIG mode in {method!r}: continuation or joint")
+    suffix = {"early": {"max_progress": a.cig_early}, "consistent": {"demonstrated_radius": a.cig_radius}}
+    return mode, replace(CIG_RECIPE, weight=a.cig_weight, variant=variant, **suffix.get(extra[0] if extra else "", {}))
 
 
 def _checkpoints(a: Args, part: str):
@@ -713,13 +725,14 @@ def main() -> None:
         raise SystemExit(f"unknown suites {bad}; known: {list(SUITES)}")
     if not a.cig_weight > 0:
         raise SystemExit(f"--cig-weight must be > 0 (got {a.cig_weight}); a CIG method without its term is bc")
-    res = _load(RESULTS / f"{a.results}.json")
+    res = _load(piece_path(a.results))
     if a.merge or "--merge" in sys.argv:  # "--merge" alone: rewrite the table and plot from --results
         for item in a.merge:  # STEM, or STEM:SECTION to file a stem's competence under another section
             stem, _, section = item.partition(":")
-            for key, part in _load(RESULTS / f"{stem}.json").items():
+            for key, part in _load(piece_path(stem)).items():
                 if isinstance(part, dict) and key != "machine":
                     _deep_update(res.setdefault(section if (section and key == "competence") else key, {}), part)
+        name_manifest(a.results, res)
         _aggregate(res)
         return _save(a, res)
     {"competence": competence, "ablation": ablation, "protocols": protocols, "copycat": copycat,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, RESULTS, ROOT, load_results, md_table, save_results  # noqa: E402
+from common import DATA, ROOT, load_results, md_table, name_manifest, piece_path, save_results  # noqa: E402
 
 # this file's name would shadow the libero package: take its folder (Python puts it first) off the path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -65,7 +65,8 @@ class Args:
     """suffix of run folders and method names (another data set or recipe beside the default rows)"""
     runs: Path = ROOT / "runs" / "libero"
     results: str = "libero"
-    """results file stem under benchmarks/results (separate stems let parts run in parallel)"""
+    """results file stem: libero is benchmarks/results/libero.json, any other stem a per-run piece in
+    benchmarks/results/runs/ (git-ignored; separate stems let parts run in parallel)"""
     merge: tuple[str, ...] | None = None
     """only merge the sections of these result stems into --results and rewrite its table (``--merge``
     alone: just rewrite the table; it used to fall through to the default part and re-run the experts)"""
@@ -123,22 +124,36 @@ def _instruction(task: int) -> str:
         env.close()
 
 
-def _train(a: Args, out: Path, **kw: Any) -> Path:
-    from train.bc import train
+def _train_args(a: Args, out: Path, recipe: str = "multitask", **kw: Any) -> Any:
+    """What ``_train`` trains (a ``TrainArgs``): ``recipe`` (train/recipes.py) plus ``kw`` and --steps. The
+    DART rows are the multitask recipe on DART demos, which the ``libero_dart`` recipe names."""
     from train.recipes import recipe_args
+    if a.steps and "steps" not in kw:
+        kw["steps"] = a.steps
+    return recipe_args(recipe, out=out, wandb="disabled", progress=False, save_every=10**9, **kw)
+
+
+def _train(a: Args, out: Path, recipe: str = "multitask", **kw: Any) -> Path:
+    from train.bc import train
     if (out / "summary.json").exists():
         return out / "ckpt"
     if out.exists():
         shutil.rmtree(out)
-    if a.steps and "steps" not in kw:
-        kw["steps"] = a.steps
-    s = train(recipe_args("multitask", out=out, wandb="disabled", progress=False, save_every=10**9, **kw))
+    s = train(_train_args(a, out, recipe, **kw))
     (out / "summary.json").write_text(json.dumps({k: v for k, v in s.items() if k != "history"}, default=str))
     return out / "ckpt"
 
 
+def _cig(variant: str) -> Any:
+    """A ``cig_<variant>_continuation`` method's CIG options: the ``multitask_cig`` recipe's (the grounding
+    benchmark's best), the variant the method names."""
+    from dataclasses import replace
+
+    from train.recipes import recipe_args
+    return replace(recipe_args("multitask_cig").cig, variant=variant)
+
+
 def _checkpoint(a: Args, method: str, data: tuple[Path, ...]) -> Path:
-    from train.cig import CIGOptions
     base = _train(a, a.runs / f"bc{a.tag}_s{a.seed}", data=data, seed=a.seed)
     if method == "bc":
         return base
@@ -147,8 +162,7 @@ def _checkpoint(a: Args, method: str, data: tuple[Path, ...]) -> Path:
         return _train(a, a.runs / f"{method}{a.tag}_s{a.seed}", **cont)
     if method.startswith("cig_"):
         _, variant, _ = method.split("_")
-        return _train(a, a.runs / f"{method}{a.tag}_s{a.seed}", cig=CIGOptions(weight=1.0, variant=variant, negatives=3,
-                                                                         draws=2, batch=64), **cont)
+        return _train(a, a.runs / f"{method}{a.tag}_s{a.seed}", "multitask_cig", cig=_cig(variant), **cont)
     raise ValueError(f"unknown method {method!r}; known: bc, bc_continuation, cig_<variant>_continuation")
 
 
@@ -248,12 +262,13 @@ def main() -> None:
     res = load_results(a.results)
     if a.merge is not None:
         for stem in a.merge:
-            path = RESULTS / f"{stem}.json"
+            path = piece_path(stem)
             if not path.exists():
                 raise SystemExit(f"no results file {path}")
             for key, part in json.loads(path.read_text()).items():
                 if isinstance(part, dict) and key != "machine":
                     res.setdefault(key, {}).update(part)
+        name_manifest(a.results, res)
         return save_results(a.results, res, _table)
     {"experts": experts, "policies": policies, "perturbations": perturbations}[a.part](a, res)
 

@@ -17,7 +17,8 @@ Parts (each writes its pieces under benchmarks/results/pixels_parts/, ``merge`` 
   methods 1200 more with the fixed camera moved (up to 8 cm and 8 degrees) and the lights changed
   (up to x1.6 with a tint) per episode, seeds 40000 and 60000; for DAgger methods, episodes where
   the student checkpoint acts and the expert labels (seeds 80000 and 90000);
-- ``train``: per method, the policy (the multitask recipe) then its perception head;
+- ``train``: per method, the policy (the suite's pixel recipe, train/recipes.py; controls and end-to-end rows
+  the multitask recipe) then its perception head;
 - ``eval``: per method and condition (clean, camera: the fixed camera moved 5 cm and turned 5
   degrees, a fresh direction per episode; lighting: x0.67-1.5 with a tint), episodes from seed
   200000 (never in the demos), 95% Wilson intervals;
@@ -60,27 +61,51 @@ PROTOCOL_SEED = 250_000
 
 @dataclass(frozen=True)
 class Suite:
-    """Where a suite's pixel policies look and what their heads estimate."""
+    """Where a suite's pixel policies look and what their heads estimate: the cameras, image size, hidden and
+    estimated state of the pixel recipe it names (train/recipes.py), with ``own`` values where its runs differ."""
 
     env: str
     collect: tuple[str, ...]
     """groundflow collect flags naming the task"""
-    cameras: tuple[str, ...]
     fixed: tuple[str, ...]
     """the cameras a bump can move (a wrist camera is rigid on the hand)"""
-    hide: tuple[str, ...]
-    estimate: tuple[str, ...]
     recipe: str
+    """the `groundflow train --recipe` its policies with a perception head start from"""
     clean_seeds: tuple[int, ...]
     dr_seeds: tuple[int, ...]
     demos_per_seed: int
+    own: tuple[tuple[str, Any], ...] = ()
+    """TrainArgs values of those policies other than the recipe's (a suite without a pixel recipe names its
+    cameras, image size, hidden and estimated state here)"""
     steps: int | None = None
     """policy steps (None: the recipe's)"""
-    image_size: int = 96
     env_options: tuple[tuple[str, Any], ...] = ()
     """options of the evaluation env (e.g. LIBERO's own init states per task)"""
     dr_demos_per_seed: int | None = None
     """demos per randomized seed (None: demos_per_seed)"""
+
+    @property
+    def pixel_args(self) -> Any:
+        """The ``TrainArgs`` a policy with a perception head starts from (each method adds its own flags)."""
+        from train.recipes import recipe_args
+        return recipe_args(self.recipe, **dict(self.own))
+
+    @property
+    def cameras(self) -> tuple[str, ...]:
+        return self.pixel_args.cameras
+
+    @property
+    def image_size(self) -> int:
+        return self.pixel_args.image_size
+
+    @property
+    def hide(self) -> tuple[str, ...]:
+        """the state the policies do not read from the simulator (end-to-end ones too)"""
+        return self.pixel_args.ignore_state
+
+    @property
+    def estimate(self) -> tuple[str, ...]:
+        return self.pixel_args.estimate_state
 
     @property
     def opts(self) -> dict[str, Any]:
@@ -93,34 +118,35 @@ class Suite:
 
 
 SUITES: dict[str, Suite] = {
+    # own: the hidden state as measured; the recipe also names '*_acc', which matches no slice of this suite's
+    # state (the same policy inputs)
     "tabletop": Suite("maniskill/TabletopSuite-v1", ("--suite", "tabletop", "--layout", "random"),
-                      ("workspace_camera", "hand_camera"), ("workspace_camera",), ("*vel", "*_cube_pose", "*_goal_pos"),
-                      ("*_cube_pose[0:3]", "*_goal_pos[0:2]"), "multitask", (0, 20000), (40000, 60000), 600),
+                      ("workspace_camera",), "pixels", (0, 20000), (40000, 60000), 600,
+                      own=(("ignore_state", ("*vel", "*_cube_pose", "*_goal_pos")),)),
     # ManiSkill's own task and front camera (the cube 2-3 px wide at 96 px), plus a wrist camera (ManiSkill's
     # panda_wristcam), as a real cell would add. Demos from the closed-loop scripted expert with DART noise.
     "pushcube": Suite("maniskill/PushCube-v1", ("--env", "maniskill/PushCube-v1", "--control-mode", "pd_ee_delta_pos",
                                                 "--robot", "panda_wristcam", "--dart-noise", "0.1"),
-                      ("base_camera", "hand_camera"), ("base_camera",),
-                      ("*vel", "extra/goal_pos", "extra/obj_pose"), ("extra/obj_pose[0:3]", "extra/goal_pos[0:2]"),
-                      "multitask", (0, 20000), (40000, 60000), 400, steps=12000,
+                      ("base_camera",), "multitask", (0, 20000), (40000, 60000), 400,
+                      own=(("cameras", ("base_camera", "hand_camera")), ("image_size", 96),
+                           ("ignore_state", ("*vel", "extra/goal_pos", "extra/obj_pose")),
+                           ("estimate_state", ("extra/obj_pose[0:3]", "extra/goal_pos[0:2]"))), steps=12000,
                       env_options=(("control_mode", "pd_ee_delta_pos"), ("robot_uids", "panda_wristcam"))),
     # robosuite's own front camera frames the table; the wrist camera sees the row of objects from above.
     # A cube's yaw (+-30 deg) sets the grasp, so its heading (quaternion z, w) is estimated too; the can
     # is round, and the plate and bin stand in fixed places, so the policy does not read them.
-    "kitchen": Suite("robosuite/KitchenSuite", ("--suite", "kitchen", "--layout", "random"),
-                     ("agentview", "robot0_eye_in_hand"), ("agentview",),
-                     ("*vel", "*_acc", "*_cube_*", "green_can_*", "gripper_to_*", "plate_pos", "bin_pos"),
-                     ("*_cube_pos", "green_can_pos", "*_cube_quat[2:4]"), "multitask", (0, 20000), (40000, 60000),
-                     300),
+    "kitchen": Suite("robosuite/KitchenSuite", ("--suite", "kitchen", "--layout", "random"), ("agentview",),
+                     "pixels_kitchen", (0, 20000), (40000, 60000), 300),
     # LIBERO's own front view and wrist camera. Demos come from fresh placements with DART noise (no
     # evaluation init state is trained on); evaluation uses LIBERO's init states of each task. The head
     # estimates where each object and fixture stands and how far the drawers and the stove knob are
     # turned; the objects' orientations and their offsets from the gripper are not read.
+    # own: the hidden state as measured; the recipe also names the estimated slices, which --estimate-state
+    # hides anyway (the same inputs for a policy with a head; an end-to-end row, none run here, would read them)
     "libero_goal": Suite("libero/GoalSuite", ("--suite", "libero_goal", "--layout", "sampled", "--dart-noise", "0.1"),
-                         ("agentview", "robot0_eye_in_hand"), ("agentview",),
-                         ("*vel", "*_acc", "*_1_quat", "*_to_robot0_eef_*"),
-                         ("*_1_pos", "*_level_qpos", "*_button_qpos"), "multitask", (0, 20000), (40000, 60000),
-                         250, env_options=(("layout", "task"),), dr_demos_per_seed=150),
+                         ("agentview",), "pixels_libero", (0, 20000), (40000, 60000), 250,
+                         own=(("ignore_state", ("*vel", "*_acc", "*_1_quat", "*_to_robot0_eef_*")),),
+                         env_options=(("layout", "task"),), dr_demos_per_seed=150),
 }
 CONFLICT_CELLS = {"P2_conflict_conflict": ("conflict", "success_rate"),
                   "P2_conflict_layout_task": ("conflict", "did_layout_task_rate"),
@@ -152,7 +178,10 @@ class Method:
     """DAgger: the policy also trains on demos where that method's checkpoint acted and the expert labelled
     the states it reached (collected by the collect part once that checkpoint exists)"""
     policy_flags: tuple[str, ...] = ()
-    """more `groundflow train` flags of the policy (a grounding method, its steps)"""
+    """more `groundflow train` flags of the policy (its steps)"""
+    cig: bool = False
+    """joint CIG: the policy also takes the CIG options of the ``multitask_cig`` recipe (the grounding
+    benchmark's best: bounded, lambda 1, 3 negatives, 2 draws, 64 samples of each batch)"""
     end_to_end: tuple[str, ...] | None = None
     """no head: the policy reads the images itself, trained on the head's demos (head_data) with these
     extra flags (the encoder, its augmentation, batch and steps)"""
@@ -166,10 +195,6 @@ class Method:
     def has_head(self) -> bool:
         return self.estimate_noise is not None and self.end_to_end is None
 
-
-JOINT_CIG = ("--cig.weight", "1", "--cig.variant", "bounded", "--cig.negatives", "3", "--cig.draws", "2",
-               "--cig.batch", "64")
-"""joint CIG's flags (the grounding benchmark's best: bounded, lambda 1, 3 negatives, 2 draws, 64 samples)"""
 
 METHODS: dict[str, Method] = {
     "head": Method("perception head (CoordConv + spatial softmax, both cameras) feeding a policy trained on the "
@@ -196,7 +221,7 @@ METHODS: dict[str, Method] = {
                     "`head_dr`", estimate_noise=0.0, head_from="head_dr", policy_flags=("--steps", "48000")),
     "cig_joint": Method("joint CIG (bounded, lambda 1, 3 negatives, 2 draws, on 64 samples of each batch) from "
                         "scratch, the recipe's steps, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
-                        policy_flags=JOINT_CIG),
+                        cig=True),
     "dagger": Method("DAgger: the recipe's policy retrained on its demos plus episodes where the recipe (head and "
                      "policy) acted and the expert labelled the states it reached; the recipe's head (units converted)",
                      estimate_noise=0.0, head_from="recipe", dagger_from="recipe"),
@@ -213,7 +238,7 @@ METHODS: dict[str, Method] = {
                        policy_flags=("--steps", "48000"), shortcut_rho=0.9, p2_of="bc_2x"),
     "p2_cig_joint": Method("P2 of `cig_joint`: joint CIG trained on demos where the layout names the task with "
                            "probability 0.9, the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
-                           policy_flags=JOINT_CIG, shortcut_rho=0.9, p2_of="cig_joint"),
+                           cig=True, shortcut_rho=0.9, p2_of="cig_joint"),
     "p2_bc_dagger": Method("P2 of `head_dr_nonoise_dagger`: `p2_bc`'s policy retrained on its demos plus 240 episodes "
                            "where `p2_bc` acted on the same correlated layouts and the expert labelled the states it "
                            "reached; the head of `head_dr`", estimate_noise=0.0, head_from="head_dr",
@@ -352,24 +377,45 @@ def _head_dir(a: Args, name: str) -> Path:
     return _final_dir(replace(a, seed=0), METHODS[name].head_from)
 
 
+def _flags(values: dict[str, Any], prefix: str = "--") -> list[str]:
+    """`groundflow train` flags that set ``values`` (TrainArgs fields, or with ``prefix`` --cig. CIGOptions')."""
+    out: list[str] = []
+    for k, v in values.items():
+        out += [prefix + k.replace("_", "-"), *(map(str, v) if isinstance(v, tuple) else [str(v)])]
+    return out
+
+
+def _policy_flags(a: Args, name: str) -> list[str]:
+    """`groundflow train` flags of a method's policy: with a perception head, the suite's pixel recipe and its
+    own values; a control reading the object state, the multitask recipe; end to end, the multitask recipe
+    seeing the suite's cameras with its state hidden. Then the method's flags (joint CIG: the ``multitask_cig``
+    recipe's CIG options)."""
+    from train.cig import CIGOptions
+    from train.recipes import recipe_args
+    su, m = SUITES[a.suite], METHODS[name]
+    recipe = su.recipe if m.has_head else "multitask"
+    flags = ["--recipe", recipe, "--data", *map(str, _policy_data(a, m)), "--out", str(_policy_dir(a, name)),
+             "--seed", str(a.seed), "--no-progress", "--wandb", "disabled"]
+    flags += ["--steps", str(su.steps)] if su.steps and "--steps" not in (m.end_to_end or ()) else []
+    if m.end_to_end is not None:
+        flags += _flags(dict(cameras=su.cameras, image_size=su.image_size, ignore_state=su.hide)) + list(m.end_to_end)
+    elif m.has_head:
+        flags += _flags(dict(su.own)) + ["--estimate-noise", str(m.estimate_noise)]
+        if m.noise_from:
+            flags += ["--estimate-noise-from", str(_final_dir(a, m.noise_from))]
+    if m.cig:
+        cig, default = recipe_args("multitask_cig").cig, CIGOptions()
+        flags += _flags({k: v for k, v in vars(cig).items() if v != getattr(default, k)}, prefix="--cig.")
+    return flags + list(m.policy_flags)
+
+
 def train(a: Args) -> None:
     su = SUITES[a.suite]
     for name in a.methods:
         m = METHODS[name]
         pol = _policy_dir(a, name)
         if not (pol / "summary.json").exists():  # written when a run ends; a killed one resumes
-            flags = ["train", "--recipe", su.recipe, "--data", *map(str, _policy_data(a, m)), "--out", str(pol),
-                     "--seed", str(a.seed), "--no-progress", "--wandb", "disabled"]
-            flags += ["--steps", str(su.steps)] if su.steps and "--steps" not in (m.end_to_end or ()) else []
-            if m.end_to_end is not None:
-                flags += ["--cameras", *su.cameras, "--image-size", str(su.image_size), "--ignore-state", *su.hide,
-                          *m.end_to_end]
-            elif m.estimate_noise is not None:  # a control reads the state the recipe reads
-                flags += ["--cameras", *su.cameras, "--image-size", str(su.image_size), "--ignore-state", *su.hide,
-                          "--estimate-state", *su.estimate, "--estimate-noise", str(m.estimate_noise)]
-                if m.noise_from:
-                    flags += ["--estimate-noise-from", str(_final_dir(a, m.noise_from))]
-            flags += list(m.policy_flags) + (["--resume"] if (pol / "train_state.pt").exists() else [])
+            flags = ["train", *_policy_flags(a, name)] + (["--resume"] if (pol / "train_state.pt").exists() else [])
             _gf(*flags, log=pol.with_suffix(".log"))
         if not m.has_head:
             continue

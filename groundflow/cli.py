@@ -3,7 +3,7 @@
     groundflow envs                          list env ids and suites
     groundflow collect --env ID ...          expert demonstrations -> dataset
     groundflow export --format lerobot ...   datasets -> LeRobotDataset (train reads --data lerobot:DIR)
-    groundflow train --recipe multitask ...  behaviour cloning (``--cig.weight`` adds joint CIG)
+    groundflow train --recipe multitask ...  behaviour cloning (``--recipe multitask_cig``: with joint CIG)
     groundflow train cig --from CKPT         CIG continuation stage
     groundflow eval --ckpt DIR ...           rollouts, success rate with 95% CI
     groundflow serve / deploy / debug        policy server, robot control loop, sim-to-real debugging

@@ -6,8 +6,8 @@
 2. train a tiny flow VLA by behaviour cloning with the ``multitask`` recipe (early fusion, centred
    language, acting every step: train/recipes.py), the same for twice the steps (joint CIG's
    compute), and the same with Counterfactual Instruction Grounding from the first step (joint CIG,
-   the configuration the grounding benchmark found best; ``--cig-mode continuation`` fine-tunes the
-   BC checkpoint instead); and a flow policy on the reaches;
+   the ``multitask_cig`` recipe: the configuration the grounding benchmark found best; ``--cig-mode
+   continuation`` fine-tunes the BC checkpoint instead); and a flow policy on the reaches;
 3. evaluate BC, BC 2x and CIG where the layout no longer predicts the task, plus their diagnostics;
 4. collision avoidance: the reach policy among obstacles without guidance and with Coupled Guidance;
 5. drive a simulated robot through the policy server (websocket, safety layer, recording);
@@ -53,7 +53,6 @@ from deploy.serving.server import PolicyServer
 from envs.errors import InvalidOptionError
 from groundflow.cli import run_command
 from train.bc import TrainArgs, train
-from train.cig import CIGOptions
 from train.collect import CollectArgs, collect
 from train.data import ChunkData
 from train.diagnose import diagnose, plot
@@ -61,6 +60,9 @@ from train.evaluate import evaluate
 from train.guided_eval import evaluate_collision
 from train.parallel import Job, Report, run_jobs
 from train.recipes import recipe_args
+
+_CIG = recipe_args("multitask_cig").cig
+"""the recommended CIG term (train/recipes.py): the BC+CIG row's, with the flags below"""
 
 
 @dataclass
@@ -85,9 +87,10 @@ class DemoArgs:
     """continuation steps (--cig-mode continuation)"""
     cig_max_progress: float = 1.0
     """the CIG term only on samples this far into their demo (CIGOptions.max_progress)"""
-    cig_weight: float = 1.0
-    cig_variant: str = "bounded"
-    """full | detached | bounded | pmi (benchmarks/grounding.py compares them)"""
+    cig_weight: float = _CIG.weight
+    cig_variant: str = _CIG.variant
+    """full | detached | bounded | pmi (benchmarks/grounding.py compares them); the CIG flags' defaults are the
+    ``multitask_cig`` recipe's"""
     eval_episodes: int = 24
     collision_demos: int = 120
     """straight reaches without obstacles, collected with DART noise (so the policy can recover after a detour)"""
@@ -281,6 +284,31 @@ def _eval_job(run_dir: Path, held: Path, args: DemoArgs, report: Report) -> tupl
     return row, diag
 
 
+def _train_plan(args: DemoArgs, data: Path, cdata: Path) -> tuple[dict[str, Path], list[tuple[str, TrainArgs]]]:
+    """The table's rows (name -> run folder) and the runs to train, the longest first (so two workers finish
+    together): BC with the ``multitask`` recipe, and for joint CIG BC for twice the steps and the
+    ``multitask_cig`` recipe with the demo's CIG flags (a continuation: ``multitask_cig`` from the BC
+    checkpoint, after it); and the reach policy."""
+    joint = args.cig_mode == "joint"
+    bc_dir, cig_dir, cdir = args.out / "bc", args.out / ("cig_joint" if joint else "cig"), args.out / "reach"
+    rows = {"BC": bc_dir, **({"BC 2x": args.out / "bc_2x"} if joint else {}), "BC+CIG": cig_dir}
+    common = dict(data=(data,), policy="flow", size=args.size, seed=args.seed, wandb="disabled", save_every=10**9)
+    # the recipe's counterfactual instructions per sample, or as many as there are with fewer instructions
+    cig = replace(_CIG, weight=args.cig_weight, variant=args.cig_variant,
+                  negatives=min(_CIG.negatives, len(args.instructions) - 1), max_progress=args.cig_max_progress)
+    plan = ([("BC 2x", recipe_args("multitask", steps=2 * args.bc_steps, out=rows["BC 2x"], **common)),
+             ("BC+CIG", recipe_args("multitask_cig", steps=args.bc_steps, out=cig_dir, cig=cig, **common))]
+            if joint else [])
+    plan += [("BC", recipe_args("multitask", steps=args.bc_steps, out=bc_dir, **common)),
+             ("reach", TrainArgs(data=(cdata,), policy="flow", size=args.size, steps=args.collision_steps, horizon=8,
+                                 n_exec=4, out=cdir, seed=args.seed, wandb="disabled"))]
+    if not joint:  # continuation: from the BC checkpoint, so after it
+        plan.append(("CIG continuation", recipe_args("multitask_cig", init_from=bc_dir / "ckpt", steps=args.cig_steps,
+                                                     lr=1e-4, warmup_steps=20, out=cig_dir, cig=cig,
+                                                     **{k: v for k, v in common.items() if k != "size"})))
+    return rows, plan
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = tyro.cli(DemoArgs, args=argv)
     if args.workers < 1:
@@ -322,22 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
                      (", BC for twice the steps (joint CIG's compute), BC + the CIG term from the first step (joint CIG)"
                       if joint else ", then CIG fine-tuning the BC checkpoint (continuation)") +
                      "; and a flow policy on the reaches")
-    bc_dir, cig_dir, cdir = args.out / "bc", args.out / ("cig_joint" if joint else "cig"), args.out / "reach"
-    rows = {"BC": bc_dir, **({"BC 2x": args.out / "bc_2x"} if joint else {}), "BC+CIG": cig_dir}  # the table's rows
-    common = dict(data=(data,), policy="flow", size=args.size, seed=args.seed, wandb="disabled", save_every=10**9)
-    # three counterfactual instructions per sample, or as many as there are with fewer instructions
-    cig = CIGOptions(weight=args.cig_weight, variant=args.cig_variant, negatives=min(3, len(args.instructions) - 1),
-                     draws=2, batch=64, max_progress=args.cig_max_progress)
-    # the longest first, so the two workers finish together
-    plan = ([("BC 2x", recipe_args("multitask", steps=2 * args.bc_steps, out=rows["BC 2x"], **common)),
-             ("BC+CIG", recipe_args("multitask", steps=args.bc_steps, out=cig_dir, cig=cig, **common))] if joint else [])
-    plan += [("BC", recipe_args("multitask", steps=args.bc_steps, out=bc_dir, **common)),
-             ("reach", TrainArgs(data=(cdata,), policy="flow", size=args.size, steps=args.collision_steps, horizon=8,
-                                 n_exec=4, out=cdir, seed=args.seed, wandb="disabled"))]
-    if not joint:  # continuation: from the BC checkpoint, so after it
-        plan.append(("CIG continuation", recipe_args("multitask", init_from=bc_dir / "ckpt", steps=args.cig_steps,
-                                                     lr=1e-4, warmup_steps=20, out=cig_dir, cig=cig,
-                                                     **{k: v for k, v in common.items() if k != "size"})))
+    rows, plan = _train_plan(args, data, cdata)
+    bc_dir, cig_dir, cdir = rows["BC"], rows["BC+CIG"], dict(plan)["reach"].out
     jobs, after, reused = [], [], []
     for name, targs in plan:
         # its inputs' stamps: the datasets, and a continuation's BC run (stamped before it is trained)

@@ -60,8 +60,9 @@ class TrainArgs:
     data: tuple[Path, ...] = ()
     """dataset files (HDF5, `groundflow collect`)"""
     recipe: str = ""
-    """named defaults (train/recipes.py): chunked (single task) or multitask (suites); flags given
-    beside it override"""
+    """named defaults (train/recipes.py): chunked (single task), multitask (suites), multitask_cig (suites
+    whose layout gives the task away), pixels, pixels_kitchen, pixels_libero, pixels_large (cameras instead of
+    object state), libero_dart; flags given beside it override"""
     policy: Literal["flow", "ar", "mlp"] = "flow"
     """flow (pi0-style), ar (RT-2-style) or mlp (the plain BC baseline, state only)"""
     # model fields: defaults and meaning are PolicyConfig's (policies/config.py)

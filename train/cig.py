@@ -34,7 +34,12 @@ VARIANTS = ("full", "detached", "bounded", "pmi")
 
 @dataclass
 class CIGOptions:
-    """Counterfactual Instruction Grounding: ``--cig.*`` of ``groundflow train``."""
+    """Counterfactual Instruction Grounding: ``--cig.*`` of ``groundflow train``.
+
+    The defaults are not the recommended configuration: ``--cig.weight`` alone trains the ``detached``
+    variant, as it always has (changing the default would change what existing commands train). The
+    grounding benchmark's best (bounded, lambda 1, K=3, M=2, the term on 64 samples of each batch) is
+    ``groundflow train --recipe multitask_cig`` (train/recipes.py), which the benchmarks and the demo use."""
 
     weight: Annotated[float, tyro.conf.arg(aliases=("--cig-weight",))] = 0.0
     """lambda: weight of L_CIG in L = L_BC + lambda * L_CIG (0: plain BC)"""
@@ -47,7 +52,8 @@ class CIGOptions:
     """M shared (t, x0) draws per flow energy"""
     variant: Literal["full", "detached", "bounded", "pmi"] = "detached"
     """full: gradient through every energy; detached: counterfactual energies detached (DESIGN.md's
-    probe kept ~73% with it); bounded: hinge on the margin; pmi: log p(a|o,l*) - log p(a|o,null)"""
+    probe kept ~73% with it); bounded: hinge on the margin (the recommended one: ``--recipe multitask_cig``);
+    pmi: log p(a|o,l*) - log p(a|o,null)"""
     margin: float = 1.0
     """bounded variant: hinge margin on s(l*) - s(l')"""
     batch: int = 0

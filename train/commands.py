@@ -31,9 +31,16 @@ def _defaults(argv: list[str]) -> TrainArgs:
     return recipe_args(name) if name else TrainArgs()
 
 
+def parse_train_args(argv: list[str]) -> TrainArgs:
+    """What ``groundflow train ARGV`` trains: the ``--recipe``'s values (``TrainArgs``' defaults without
+    one), then every other flag given."""
+    return tyro.cli(TrainArgs, args=argv, default=_defaults(argv), prog="groundflow train")
+
+
 def train_command(argv: list[str]) -> None:
-    """``groundflow train``: behaviour cloning, with joint CIG when ``--cig.weight`` > 0."""
-    args = tyro.cli(TrainArgs, args=argv, default=_defaults(argv), prog="groundflow train")
+    """``groundflow train``: behaviour cloning, with joint CIG when ``--cig.weight`` > 0 (the recommended
+    configuration: ``--recipe multitask_cig``)."""
+    args = parse_train_args(argv)
     summary = train(args)
     _print_summary(summary)
     if args.estimate_state:  # the policy cannot act before its perception head is trained
