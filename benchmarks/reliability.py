@@ -1259,17 +1259,7 @@ def case_client_garbage_chunks(tmp: Path) -> Result:
     refused with one clear error and never come back as a plan; the next good chunk still comes back."""
     from deploy.serving.client import PolicyClient
     from deploy.scripted import JointTargetPolicy
-    from deploy.serving.server import PolicyServer
-
-    class LyingServer(PolicyServer):
-        """Sends ``garbage`` instead of the policy's chunk, unchecked: an old or broken server."""
-        garbage: np.ndarray | None = None
-
-        def _reply(self, raw, t0, session=None):
-            reply = super()._reply(raw, t0, session)
-            if reply["type"] == "chunk" and self.garbage is not None:
-                reply["actions"] = self.garbage
-            return reply
+    from deploy.serving.faults import LyingServer
 
     f32 = np.float32
     results: list[Result] = []

@@ -21,7 +21,7 @@ _EXPORTS = {
     "PolicyServer": "deploy.serving.server", "PolicyClient": "deploy.serving.client", "LocalPolicy": "deploy.serving.client",
     "SafetyLayer": "deploy.safety", "SafetyConfig": "deploy.safety",
     "ControlLoop": "deploy.control", "LoopConfig": "deploy.control", "EpisodeResult": "deploy.control",
-    "Recorder": "deploy.recording", "RTCConfig": "policies.rtc", "JointTargetPolicy": "deploy.scripted",
+    "Recorder": "deploy.recording", "RTCConfig": "policies.rtc_config", "JointTargetPolicy": "deploy.scripted",
     "evaluate_via_server": "deploy.evaluate",
     "debug": "deploy.debugging.search", "prepare": "deploy.debugging.search", "attribute": "deploy.debugging.search",
     "exhaustive_ablation": "deploy.debugging.search", "DebugConfig": "deploy.debugging.search", "Outcome": "deploy.debugging.search",

@@ -8,6 +8,9 @@
     groundflow deploy --robot ur --robot-host 10.0.0.2 --camera wrist=0@128x128@30 --camera front=realsense
 
 ``serve(argv)`` and ``deploy(argv)`` parse with tyro; the command table in groundflow/cli.py names them.
+``deploy`` with a real arm runs on a robot computer without torch or a simulator (the ``robot`` extra):
+what needs them (``serve``, ``--robot sim``, ``--obstacles``) imports them when asked, and says in one
+line what is missing (tests/test_robot_side.py).
 
 The served checkpoint resolves a user's wording to one of its trained instructions or refuses it
 (``policies.instructions``). ``deploy --instruction`` asks the server first: a refused instruction
@@ -21,34 +24,46 @@ again). A goal inside an obstacle sends no motion and exits with ``EXIT_CONSTRAI
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import signal
 import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import tyro
 
-import policies
 from deploy.robots.cameras import CameraRig, parse_cameras
 from deploy.serving.client import parse_address, robot_client
 from deploy.control import NORMAL_ENDS, ControlLoop, LoopConfig
 from deploy.errors import (EXIT_CONSTRAINT_REFUSED, EXIT_INSTRUCTION_REFUSED, DeployError, HandshakeError, InstructionRefusedError,
-                           PolicyUnavailableError)
+                           MissingDependencyError, PolicyUnavailableError)
+from deploy.robots.base import capability
 from deploy.robots.franka import FrankaRobot
 from deploy.robots.franka_sim import FrankySim
 from deploy.recording import Recorder
 from deploy.safety import SafetyConfig, SafetyLayer
 from deploy.scripted import JointTargetPolicy
-from deploy.serving.server import PolicyServer
-from deploy.robots.sim import SimRobot
 from deploy.robots.ur import URRobot
 from deploy.robots.xarm import XArmRobot
 from envs.errors import InvalidOptionError
-from policies.rtc import RTCConfig
+from policies.rtc_config import RTCConfig
 
 log = logging.getLogger(__name__)
+
+
+def _require(module: str, what: str) -> ModuleType:
+    """``module``, imported only where ``what`` needs it: the robot computer runs ``deploy`` with a real
+    arm without torch or a simulator (the ``robot`` extra), and a missing package is one line naming it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise MissingDependencyError(
+            f"{what} needs {e.name or 'a package'}, which is not installed on this computer ({e}); with only "
+            "the `robot` extra, serve the policy and simulate robots on the workstation (`make setup` installs "
+            "everything)") from e
 
 
 @dataclass
@@ -56,7 +71,8 @@ class ServeArgs:
     ckpt: str | None = None
     """checkpoint directory (policy.save); or use --scripted"""
     scripted: Literal["joint_target"] | None = None
-    """serve a scripted bring-up policy instead of a checkpoint (needs --state-dim/--action-dim)"""
+    """serve a scripted bring-up policy instead of a checkpoint (needs --state-dim/--action-dim; it reads no
+    instruction, so deploy needs no --instruction)"""
     state_dim: int = 0
     action_dim: int = 0
     target: tuple[float, ...] = ()
@@ -202,16 +218,19 @@ def load_policy(args: ServeArgs):
     if (args.ckpt is None) == (args.scripted is None):
         raise InvalidOptionError("give exactly one of --ckpt DIR or --scripted joint_target")
     if args.ckpt is not None:
-        return policies.load(args.ckpt, device=args.device, to_act=True)
+        _require("torch", "--ckpt (a checkpoint loaded in this process)")
+        return _require("policies", "--ckpt").load(args.ckpt, device=args.device, to_act=True)
     if args.state_dim <= 0 or args.action_dim <= 0 or not args.target:
         raise InvalidOptionError("--scripted joint_target needs --state-dim, --action-dim and --target")
-    return JointTargetPolicy(args.state_dim, args.action_dim, args.target)
+    # a bring-up policy grounds no instruction: a robot run without --instruction is served as one with it
+    return JointTargetPolicy(args.state_dim, args.action_dim, args.target, needs_instruction=False)
 
 
 def serve(argv: list[str]) -> None:
     args = tyro.cli(ServeArgs, args=argv, prog="groundflow serve")
     args.check()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    PolicyServer = _require("deploy.serving.server", "groundflow serve").PolicyServer
     policy = load_policy(args)
     server = PolicyServer(policy, args.host, args.port, max_message_bytes=int(args.max_message_mb * 2 ** 20),
                           rtc=RTCConfig(sigma=args.rtc_sigma), idle_timeout_s=args.idle_timeout or None,
@@ -248,6 +267,9 @@ def make_robot(args: DeployArgs, stack: list):
 
 def _make_driver(args: DeployArgs, stack: list):
     if args.robot == "sim":
+        SimRobot = _require("deploy.robots.sim", "--robot sim").SimRobot
+        from envs.registry import spec
+        _require(spec(args.env).entry.partition(":")[0], f"--robot sim --env {args.env}")  # its simulator
         opts = {k: v for k, v in (("control_mode", args.control_mode), ("robot_uids", args.sim_robot)) if v}
         if args.sim_cameras:
             opts.update(cameras=tuple(args.sim_cameras), image_size=args.sim_image_size)
@@ -326,7 +348,7 @@ def _read_obstacles(path: str | None) -> list[dict] | str | None:
     """``--obstacles``: None, "scene", or the file's list (a clear error for a missing or malformed one)."""
     if path is None or path == "scene":
         return path
-    from policies.constraints import parse_obstacles
+    parse_obstacles = _require("policies.constraints", "--obstacles").parse_obstacles
     try:
         items = json.loads(open(path).read())
     except OSError as e:
@@ -342,7 +364,7 @@ def _set_obstacles(client, robot, obstacles: list[dict] | str | None, args: Depl
     collision sends nothing: one line, the robot holds still, exit ``EXIT_CONSTRAINT_REFUSED``."""
     if obstacles is None:
         return
-    from policies.constraints import unsatisfiable
+    unsatisfiable = _require("policies.constraints", "--obstacles").unsatisfiable
     make = getattr(robot, "arm_constraints", None)
     if make is None:
         raise InvalidOptionError(f"--obstacles needs the arm's body and end-effector step, which robot {args.robot} "
@@ -411,7 +433,7 @@ def deploy(argv: list[str]) -> None:
                         robot.reset(args.seed + i, options=commanded)
                     _set_obstacles(client, robot, obstacles, args)
                     try:
-                        res = loop.run_episode(seed=args.seed + i, task_id=getattr(robot, "task_id", 0))  # 0: arm
+                        res = loop.run_episode(seed=args.seed + i, task_id=capability(robot, "task_id"))
                     except PolicyUnavailableError as e:  # no server to (re)connect to: keep what was recorded
                         rest = args.episodes - i - 1
                         lost = f"episode {i} could not start{f' ({rest} more not run)' if rest else ''}: {e}"

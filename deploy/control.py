@@ -28,7 +28,7 @@ from deploy.chunking import ChunkPlan, TemporalEnsembler
 from deploy.serving.client import ChunkReply
 from deploy.errors import DeployError, HandshakeError, PolicyUnavailableError
 from deploy.recording import Recorder
-from deploy.robots.base import Obs, Robot
+from deploy.robots.base import Obs, Robot, capability
 from deploy.safety import SafetyConfig, SafetyLayer
 from envs.errors import InvalidOptionError
 
@@ -38,6 +38,9 @@ exits non-zero)."""
 
 
 class ChunkSource(Protocol):
+    """Where chunks come from (``PolicyClient``, ``LocalPolicy``). Optional: ``connect()``, called at the
+    start of an episode when ``healthy`` is False (a server lost in an earlier one)."""
+
     metadata: dict[str, Any]
 
     def infer(self, obs: Obs, *, prefix: np.ndarray | None = None, frozen: int = 0,
@@ -415,7 +418,7 @@ class ControlLoop:
         cfg = self.config
         if episode.stop_at is not None and t_tick - episode.stop_at >= cfg.stop_brake_s:
             return "stop_signal"
-        if getattr(self.robot, "done", False):
+        if capability(self.robot, "done"):
             return "done"
         hold_since = episode.hold_since
         if hold_since is not None and not healthy and t_tick - hold_since >= cfg.max_hold_s:
@@ -429,7 +432,7 @@ class ControlLoop:
         safety, plan, sent = self.safety, episode.plan, episode.sent
         counts = safety.summary()["counts"]
         return EpisodeResult(
-            steps=len(sent), success=bool(getattr(self.robot, "success", False)), reason=episode.reason,
+            steps=len(sent), success=bool(capability(self.robot, "success")), reason=episode.reason,
             interventions={kind: n - episode.counts0.get(kind, 0) for kind, n in counts.items()},
             timing=_timing(episode.ticks, episode.sends, episode.work, self.period, episode.rtts, episode.infers),
             actions=np.asarray(sent, np.float32).reshape(len(sent), -1), holds=episode.holds,
@@ -468,8 +471,8 @@ class ControlLoop:
     def _record(self, obs: Obs, cmd: np.ndarray, sim_state: np.ndarray | None) -> None:
         if self.recorder is None:
             return
-        info = getattr(self.robot, "last_info", {}) or {}
-        self.recorder.add(obs, cmd, float(getattr(self.robot, "last_reward", 0.0)),
+        info = capability(self.robot, "last_info") or {}
+        self.recorder.add(obs, cmd, float(capability(self.robot, "last_reward")),
                           bool(info.get("success", False)), sim_state)
 
     def _end_recording(self, reason: str, error: str | None = None) -> None:

@@ -13,6 +13,11 @@ class DriverMissingError(DeployError, ImportError):
     """A robot driver package (franky, ur-rtde, xarm-python-sdk) is not installed or unsupported here."""
 
 
+class MissingDependencyError(DeployError, ImportError):
+    """What a command asked for needs a package this computer lacks: torch for a checkpoint in process
+    (``serve``), a simulator for ``--robot sim``. A robot computer installs only the ``robot`` extra."""
+
+
 class RobotConnectionError(DeployError, ConnectionError):
     """The robot (or its simulator) did not answer, or the connection dropped."""
 

@@ -35,11 +35,15 @@ class JointTargetPolicy:
     ``state_index``: where the joint positions sit in the state (default the first n_joints).
     ``wave``: optional amplitude (rad) of a sinusoid added to the target (period ``wave_period``
     steps of the robot's clock), to keep the arm moving for timing and smoothness measurements.
+    ``needs_instruction``: False lets observations come without an instruction (it reads none; the
+    bring-up server ``groundflow serve --scripted`` serves it so, for a robot run without
+    ``--instruction``); True, the default, keeps the protocol's rule, as for a checkpoint.
     """
 
     def __init__(self, state_dim: int, action_dim: int, target: Any, *, n_joints: int | None = None,
                  step: float = 0.02, gripper: float | None = None, horizon: int = 16, n_exec: int = 8,
-                 state_index: int = 0, wave: float = 0.0, wave_period: float = 40.0, delay_s: float = 0.0):
+                 state_index: int = 0, wave: float = 0.0, wave_period: float = 40.0, delay_s: float = 0.0,
+                 needs_instruction: bool = True):
         self.target = np.asarray(target, np.float64).reshape(-1)
         self.n_joints = int(n_joints or len(self.target))
         if len(self.target) != self.n_joints or self.n_joints > action_dim:
@@ -49,6 +53,7 @@ class JointTargetPolicy:
         self.config = ScriptedConfig(state_dim, action_dim, horizon, n_exec)
         self.step, self.gripper, self.state_index = float(step), gripper, int(state_index)
         self.wave, self.wave_period, self.delay_s = float(wave), float(wave_period), float(delay_s)
+        self.needs_instruction = bool(needs_instruction)
         self.calls = 0
 
     def predict_action_chunk(self, obs: dict[str, Any], **_: Any) -> np.ndarray:

@@ -6,13 +6,18 @@
     obs, info = env.reset(seed=0)                        # {"state", "images"?, "instruction"}
 
 Every env speaks the observation convention of ``envs.base`` and reports ``info["success"]``.
+
+``envs.base`` (gymnasium) is imported on first use of one of its names: ``envs.errors``, which the
+robot side imports, and the registry run no more than numpy.
 """
+
+import importlib
+from typing import Any
 
 from envs import platform_setup
 
 platform_setup.setup()  # before anything imports mujoco/sapien (EGL, Vulkan loader, asset dir)
 
-from envs.base import GroundflowEnv, check_action, is_proprio, state_indices, state_slices  # noqa: E402
 from envs.errors import (GroundflowError, InstructionError, InvalidActionError, InvalidOptionError,  # noqa: E402
                          InvalidStateError, MissingAssetsError, UnknownEnvError)
 from envs.experts import Expert, make_expert
@@ -59,6 +64,17 @@ for _name in ("PnPCounterToCab", "OpenSingleDoor", "CloseDrawer", "TurnOnSinkFau
 # ---- learned world models (``groundflow train world-model``) ------------------------------
 register("worldmodel", "worldmodel", "envs.world_model:make_world_model_env",
          description="learned ensemble dynamics model as an env (path=DIR)")
+
+_BASE_NAMES = ("GroundflowEnv", "check_action", "is_proprio", "state_indices", "state_slices")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _BASE_NAMES:
+        value = getattr(importlib.import_module("envs.base"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'envs' has no attribute {name!r}")
+
 
 SUITES = {"tabletop": "maniskill/TabletopSuite-v1", "kitchen": "robosuite/KitchenSuite",
           "libero_goal": "libero/GoalSuite"}

@@ -94,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"groundflow: unknown command {argv[0]!r}; valid commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     name, rest = found
-    return run_command(name, COMMANDS[name].load(), rest)
+    try:
+        fn = COMMANDS[name].load()
+    except ModuleNotFoundError as e:  # a robot computer installs only the `robot` extra
+        print(f"groundflow {name}: error: needs {e.name}, which is not installed here; a robot computer with only "
+              "the `robot` extra runs `groundflow deploy` (`make setup` or `pip install -e '.[train]'` installs "
+              "the rest)", file=sys.stderr)
+        return 1
+    return run_command(name, fn, rest)
 
 
 def run_command(name: str, fn: Callable[[list[str]], object], argv: list[str], interrupted_hint: str = "") -> int:

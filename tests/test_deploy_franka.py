@@ -124,3 +124,42 @@ def test_unreachable_franka_and_a_stopped_simulator():
     t0 = time.monotonic()
     code = s.stop(timeout_s=30)  # SIGINT (a loaded 2-core machine can take >10 s to unwind MuJoCo)
     assert code in (0, -signal.SIGINT) and time.monotonic() - t0 < 30
+
+
+def test_bring_up_pair_runs_without_an_instruction():
+    """``groundflow serve --scripted joint_target`` and ``groundflow deploy --robot franka --franky-sim``
+    without ``--instruction``: the bring-up policy grounds none, so the episode runs its steps on chunks
+    (before, the server refused the robot's empty instruction and the arm held until the watchdog ended
+    the episode as policy_failed)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from deploy.procs import popen_tied
+
+    root = Path(__file__).resolve().parents[1]
+    home = ["0.1", "0.0", "0.0", "-1.5", "0.0", "1.6", "0.8"]  # a short move from franky-sim's home pose
+    server = popen_tied([sys.executable, "-m", "groundflow", "serve", "--scripted", "joint_target", "--state-dim",
+                         "22", "--action-dim", "8", "--port", "0", "--target", *home], cwd=root,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        deadline = time.monotonic() + 60
+        while port is None and time.monotonic() < deadline:
+            line = server.stdout.readline()
+            if line.startswith("serving on ws://"):
+                port = int(line.split(":")[2].split()[0])
+            elif not line and server.poll() is not None:
+                break
+        assert port is not None, "the bring-up server did not start"
+        run = subprocess.run([sys.executable, "-m", "groundflow", "deploy", "--robot", "franka", "--franky-sim",
+                              "--server", f"127.0.0.1:{port}", "--max-steps", "40", "--no-status"], cwd=root,
+                             capture_output=True, text=True, timeout=150)
+    finally:
+        server.kill()
+        server.wait()
+    assert run.returncode == 0, run.stderr[-2000:]
+    episode = json.loads(run.stdout.splitlines()[0])
+    assert episode["reason"] == "max_steps" and episode["steps"] == 40 and episode["n_chunks"] >= 1, episode
+    assert "policy request failed" not in run.stderr, run.stderr[-2000:]

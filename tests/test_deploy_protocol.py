@@ -9,6 +9,7 @@ from deploy.serving import protocol
 from deploy.serving.client import PolicyClient
 from deploy.errors import HandshakeError, ProtocolError, ServerError
 from deploy.scripted import JointTargetPolicy
+from deploy.serving.faults import LyingServer
 from deploy.serving.server import PolicyServer
 
 STATE, ACTION = 35, 8
@@ -253,18 +254,6 @@ def test_absurd_states_and_prefixes_are_inference_failures_not_chunks(tiny_ckpt,
         if case.startswith("state"):
             with pytest.raises(ProtocolError, match="far outside"):
                 c.infer(obs)  # the scripted policy plans to move to the absurd joint positions
-
-
-class LyingServer(PolicyServer):
-    """Sends ``garbage`` instead of the policy's chunk, unchecked: an old or broken server."""
-
-    garbage: np.ndarray | None = None
-
-    def _reply(self, raw, t0, session=None):
-        reply = super()._reply(raw, t0, session)
-        if reply["type"] == "chunk" and self.garbage is not None:
-            reply["actions"] = self.garbage
-        return reply
 
 
 def test_client_refuses_chunks_that_are_not_finite_or_outside_the_bounds(tiny_ckpt):

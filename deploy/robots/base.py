@@ -86,7 +86,8 @@ class RobotSpec:
 
 @runtime_checkable
 class Robot(Protocol):
-    """What the control loop needs from a robot. ``spec`` describes its action space."""
+    """What the control loop needs from a robot. ``spec`` describes its action space. What it reads
+    only where a driver has it (episode ends, rewards, simulator state) is ``RobotCapabilities``."""
 
     spec: RobotSpec
 
@@ -104,6 +105,64 @@ class Robot(Protocol):
     def hold_action(self) -> np.ndarray:
         """The command that keeps the robot where it is now (see module docstring)."""
         ...
+
+
+class RobotCapabilities(Protocol):
+    """What the layers above ``Robot`` read from a driver only where it has it (``getattr``/``hasattr``):
+    a real arm implements none of these, a simulated robot (``SimRobot``) all of them. A driver without
+    an attribute reads as its entry in ``CAPABILITY_DEFAULTS`` (``capability``); a method it lacks is
+    skipped as described on it. ``CameraRig`` passes each through from the driver it wraps."""
+
+    # ----- read by the control loop (deploy.control) every tick and at the end of an episode ----
+    done: bool
+    """the episode is over (a simulated env terminated or was truncated): the loop ends it as ``done``"""
+    success: bool
+    """the task succeeded in this episode (``EpisodeResult.success``)"""
+    last_reward: float
+    """the reward of the last step (recorded with each step)"""
+    last_info: dict[str, Any]
+    """the info of the last step; its ``success`` is recorded with each step"""
+
+    def sim_state(self) -> np.ndarray | None:
+        """The simulator's state (recorded with each step and at the end, for replay). Absent: the loop
+        asks for none, and recordings hold none."""
+        ...
+
+    # ----- read by ``groundflow deploy`` (deploy.commands) ----------------------------------------
+    task_id: int
+    """the task of this episode in a multi-task suite (recordings are filed under it)"""
+    env: Any
+    """the simulated env (``--robot sim``): its env id and state layout are checked against the policy's"""
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> Obs:
+        """Start a new episode (a simulated env; ``options`` may name its task). Absent: episodes
+        follow each other from wherever the arm is."""
+        ...
+
+    def close(self) -> None:
+        """Release everything (a simulated env too). Absent: ``disconnect`` is called instead."""
+        ...
+
+    def forward_kinematics(self, action: np.ndarray) -> np.ndarray:
+        """A ``ForwardKinematics``: the TCP position (3,) an action reaches. Absent: ``--workspace`` and
+        ``--keep-out`` are refused for this robot."""
+        ...
+
+    def arm_constraints(self, obstacles: list[dict] | None = None, settings: Any = None) -> Any:
+        """``policies.constraints.ArmConstraints`` for ``obstacles`` (None: the simulated scene's). Absent:
+        ``--obstacles`` is refused for this robot."""
+        ...
+
+
+CAPABILITY_DEFAULTS: dict[str, Any] = {"done": False, "success": False, "last_reward": 0.0, "last_info": {},
+                                       "task_id": 0}
+"""what a driver without one of ``RobotCapabilities``' attributes reads as (an arm: never done, no
+success or reward to report, one task)"""
+
+
+def capability(robot: Any, name: str) -> Any:
+    """``robot.<name>`` (an attribute of ``RobotCapabilities``), or its default where the driver has none."""
+    return getattr(robot, name, CAPABILITY_DEFAULTS[name])
 
 
 def check_connected(robot: Any) -> None:

@@ -35,7 +35,7 @@ from deploy.errors import (ConstraintRefusedError, HandshakeError, InstructionRe
                            ProtocolError, ServerError)
 from deploy.serving.inference import can_constrain, infer_chunk, infer_constrained, policy_metadata, resolve_obs_instruction
 from envs.errors import InvalidOptionError
-from policies.rtc import RTCConfig
+from policies.rtc_config import RTCConfig
 
 
 MAX_CHUNK_ROWS = 1024

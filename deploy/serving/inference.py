@@ -4,8 +4,9 @@
 
 A served policy speaks ``policies.base.Policy``: ``predict_action_chunk(obs, prefix=, frozen=,
 rtc=)``, ``config``; optionally ``supports_prefix`` (real-time chunking), ``action_range()``
-(the trained range chunks are checked against) and ``reset()``. Scripted policies may leave the
-optional parts out.
+(the trained range chunks are checked against), ``reset()`` and ``needs_instruction`` (False: an
+observation may come without an instruction; a bring-up policy has nothing to ground). Scripted
+policies may leave the optional parts out.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import numpy as np
 
 from deploy.serving import protocol
 from deploy.errors import ConstraintRefusedError
-from policies.rtc import RTCConfig
+from policies.rtc_config import RTCConfig
 
 
 def supports_prefix(policy: Any) -> bool:
     """Whether ``policy`` can continue a committed plan (real-time chunking)."""
     return bool(getattr(policy, "supports_prefix", False))
+
+
+def needs_instruction(policy: Any) -> bool:
+    """Whether every observation for ``policy`` must carry a non-empty instruction (the protocol's rule,
+    unless the policy says it grounds none: ``needs_instruction = False``)."""
+    return bool(getattr(policy, "needs_instruction", True))
 
 
 def action_bounds(policy: Any, margin: float = protocol.ACTION_MARGIN) -> tuple[np.ndarray, np.ndarray] | None:

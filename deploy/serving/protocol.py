@@ -234,9 +234,10 @@ def decode_image(enc: dict, name: str = "image", encodings: tuple[str, ...] = IM
 def check_observation(obs: Any, state_dim: int, cameras: tuple[str, ...], max_image_side: int = 4096,
                       max_instruction_chars: int = MAX_INSTRUCTION_CHARS,
                       image_encodings: tuple[str, ...] = IMAGE_ENCODINGS,
-                      max_image_pixels: int = MAX_MESSAGE_BYTES // 3) -> dict:
+                      max_image_pixels: int = MAX_MESSAGE_BYTES // 3, require_instruction: bool = True) -> dict:
     """Validate an observation received from the wire against the policy's metadata; encoded images
-    (``image_encodings``) are decoded here (``decode_image``) into the arrays raw images give."""
+    (``image_encodings``) are decoded here (``decode_image``) into the arrays raw images give.
+    ``require_instruction=False`` (a policy with nothing to ground) takes an empty or missing one as ""."""
     if not isinstance(obs, dict):
         raise ProtocolError("'obs' must be a map with 'state', 'instruction' and optional 'images'")
     state = obs.get("state")
@@ -245,9 +246,10 @@ def check_observation(obs: Any, state_dim: int, cameras: tuple[str, ...], max_im
         raise ProtocolError(f"obs.state must be an array of shape ({state_dim},), got {got}")
     if state.dtype.kind != "f" or not np.all(np.isfinite(state)):
         raise ProtocolError("obs.state must be finite floats")
-    instr = obs.get("instruction")
-    if not isinstance(instr, str) or not instr.strip():
-        raise ProtocolError(f"obs.instruction must be a non-empty string, got {instr!r}")
+    instr = obs.get("instruction", None if require_instruction else "")
+    if not isinstance(instr, str) or (require_instruction and not instr.strip()):
+        raise ProtocolError(f"obs.instruction must be a {'non-empty ' if require_instruction else ''}string, "
+                            f"got {instr!r}")
     if len(instr) > max_instruction_chars:  # encoding cost grows with length; no task needs more
         raise ProtocolError(f"obs.instruction has {len(instr)} characters; the limit is {max_instruction_chars}")
     out: dict[str, Any] = {"state": state.astype(np.float32), "instruction": instr}

@@ -48,7 +48,8 @@ import numpy as np
 
 from deploy.serving import protocol
 from deploy.errors import ConstraintRefusedError, ProtocolError, ServerAddressError
-from deploy.serving.inference import action_bounds, can_constrain, infer_chunk, infer_constrained, policy_metadata
+from deploy.serving.inference import (action_bounds, can_constrain, infer_chunk, infer_constrained, needs_instruction,
+                                      policy_metadata)
 from envs.errors import InvalidOptionError
 from deploy.serving.inference import resolve_obs_instruction
 from policies.constraints import ArmConstraints
@@ -404,7 +405,8 @@ class PolicyServer:
             # encoded images are decoded here, each at most as many pixels as a raw one within the limit
             obs = protocol.check_observation(msg.get("obs"), self.metadata["state_dim"],
                                              tuple(self.metadata["cameras"]), image_encodings=self.image_encodings,
-                                             max_image_pixels=self.max_message_bytes // 3)
+                                             max_image_pixels=self.max_message_bytes // 3,
+                                             require_instruction=needs_instruction(self.policy))
             prefix = msg.get("prefix")
             frozen = msg.get("frozen", 0)
             seed = msg.get("seed")
