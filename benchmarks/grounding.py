@@ -31,7 +31,6 @@ partial run keeps what it measured; trained runs are reused from --runs.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, ROOT, machine, md_table, name_manifest, piece_path, result_path  # noqa: E402
+from common import DATA, ROOT, md_table, name_manifest, piece_path, result_path, save_results  # noqa: E402
 
 import torch  # noqa: E402
 import tyro  # noqa: E402
@@ -183,13 +182,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def _save(a: Args, res: dict[str, Any]) -> None:
-    path = result_path(a.results)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    res["machine"] = machine()
-    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(res, indent=2))
-    os.replace(tmp, path)
-    result_path(a.results, ".md").write_text(_table(res))
+    save_results(a.results, res, _table)
     _plot(res, result_path(a.results, "_confusion.png"))
 
 
