@@ -60,10 +60,7 @@ def _require(module: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:
-        raise MissingDependencyError(
-            f"{what} needs {e.name or 'a package'}, which is not installed on this computer ({e}); with only "
-            "the `robot` extra, serve the policy and simulate robots on the workstation (`make setup` installs "
-            "everything)") from e
+        raise MissingDependencyError.of(e, what) from e
 
 
 @dataclass

@@ -15,7 +15,16 @@ class DriverMissingError(DeployError, ImportError):
 
 class MissingDependencyError(DeployError, ImportError):
     """What a command asked for needs a package this computer lacks: torch for a checkpoint in process
-    (``serve``), a simulator for ``--robot sim``. A robot computer installs only the ``robot`` extra."""
+    (``serve``, ``train``), a simulator for ``--robot sim``. A robot computer installs only the ``robot`` extra."""
+
+    @classmethod
+    def of(cls, e: ModuleNotFoundError, what: str = "") -> "MissingDependencyError":
+        """The one message for a missing package, wherever it is found missing (a command's module, a
+        deploy option's import): what needs it, and what a robot computer runs without it."""
+        return cls(f"{what + ' ' if what else ''}needs {e.name or 'a package'}, which is not installed on this "
+                   f"computer ({e}); a robot computer with only the `robot` extra runs `groundflow deploy` with a "
+                   "real arm: serve the policy and simulate robots on the workstation (`make setup` or "
+                   "`pip install -e '.[train]'` installs the rest)")
 
 
 class RobotConnectionError(DeployError, ConnectionError):

@@ -25,6 +25,7 @@ from typing import Callable
 # chunk took 35 ms with 1 thread and 1.3 s with 2 on a loaded 2-core machine).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from deploy.errors import MissingDependencyError  # noqa: E402
 from envs.errors import BAD_INPUT_ERRORS  # noqa: E402
 
 USAGE = __doc__
@@ -97,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fn = COMMANDS[name].load()
     except ModuleNotFoundError as e:  # a robot computer installs only the `robot` extra
-        print(f"groundflow {name}: error: needs {e.name}, which is not installed here; a robot computer with only "
-              "the `robot` extra runs `groundflow deploy` (`make setup` or `pip install -e '.[train]'` installs "
-              "the rest)", file=sys.stderr)
+        print(f"groundflow {name}: error: {MissingDependencyError.of(e)}", file=sys.stderr)
         return 1
     return run_command(name, fn, rest)
 
