@@ -8,7 +8,9 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import envs  # noqa: E402,F401  (platform set-up before any simulator import)
 
+import functools  # noqa: E402
 import importlib.util  # noqa: E402
+import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -23,6 +25,25 @@ def load_benchmark(name: str, monkeypatch):
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
     return module
+
+
+@functools.lru_cache(maxsize=None)
+def json_file(path: Path):
+    """A results file, parsed once per test session (grounding.json is 4 MB, and many figures quote it)."""
+    return json.loads(path.read_text())
+
+
+def json_pointer(doc, pointer: str):
+    """RFC 6901: '/a/b~1c' -> doc['a']['b/c'] (list indices as integers): where a quoted figure lives in a
+    results file (the reports' links, the recipes' descriptions)."""
+    if pointer in ("", "/"):
+        return doc
+    if not pointer.startswith("/"):
+        raise KeyError(f"a JSON pointer starts with '/': {pointer!r}")
+    for raw in pointer[1:].split("/"):
+        key = raw.replace("~1", "/").replace("~0", "~")
+        doc = doc[int(key)] if isinstance(doc, list) else doc[key]
+    return doc
 
 
 def recording(robot_cls: type) -> type:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from functools import lru_cache
 from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
+
+from conftest import json_file, json_pointer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md")) if (ROOT / "docs").is_dir() else []
@@ -30,23 +31,6 @@ TABLE_MARK = re.compile(r"^<!--\s*table:\s*(\S+)\s*-->\s*$")
 DECIMAL = re.compile(r"(?<![\w.\-/])-?\d*\.\d+(?![\w.])")
 FIGURE = re.compile(r"^\s*(-?\d*\.\d+|-?\d+)(%?)\s*$")
 PAIR = re.compile(r"^\s*\[\s*(-?\d*\.?\d+)\s*,\s*(-?\d*\.?\d+)\s*\]\s*$")
-
-
-@lru_cache(maxsize=None)
-def _json(path: Path):
-    return json.loads(path.read_text())
-
-
-def _pointer(doc, pointer: str):
-    """RFC 6901: '/a/b~1c' -> doc['a']['b/c'] (list indices as integers)."""
-    if pointer in ("", "/"):
-        return doc
-    if not pointer.startswith("/"):
-        raise KeyError(f"a JSON pointer starts with '/': {pointer!r}")
-    for raw in pointer[1:].split("/"):
-        key = raw.replace("~1", "/").replace("~0", "~")
-        doc = doc[int(key)] if isinstance(doc, list) else doc[key]
-    return doc
 
 
 def _matches(text: str, value) -> bool:
@@ -108,7 +92,7 @@ def check_markdown(path: Path) -> list[str]:
             return ""
         if pointer and dest.suffix == ".json":
             try:
-                value = _pointer(_json(dest), pointer)
+                value = json_pointer(json_file(dest), pointer)
             except (KeyError, IndexError, ValueError, TypeError) as e:
                 problems.append(f"{path.name}: {target} names nothing in the JSON ({e})")
                 return ""

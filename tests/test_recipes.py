@@ -7,13 +7,12 @@ spelled out). The figures a recipe's description quotes are checked against the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
 import pytest
 
-from conftest import load_benchmark
+from conftest import json_file, json_pointer, load_benchmark
 from train.bc import TrainArgs
 from train.cig import CIGOptions
 from train.commands import parse_train_args
@@ -184,9 +183,7 @@ SETTINGS = {"multitask": set(), "multitask_cig": {"0.9", "1.25"}, "libero_dart":
 def test_a_recipes_figures_are_the_results_it_names(name):
     description = RECIPES[name][0]
     for shown, file, pointer in FIGURES[name]:
-        value = json.loads((RESULTS / file).read_text())
-        for key in pointer.strip("/").split("/"):
-            value = value[key]
+        value = json_pointer(json_file(RESULTS / file), pointer)
         assert f"{value:.2f}" == shown, (name, file, pointer, value)
         assert shown in description, (name, shown)
     figures = set(re.findall(r"(?<![\w.])\d+\.\d+(?!\w|\.\d)", description))  # a sentence's full stop ends one
