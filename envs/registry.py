@@ -21,14 +21,17 @@ class EnvSpec:
     kind: str = "task"  # task | suite
     description: str = ""
     defaults: dict[str, Any] = field(default_factory=dict)
+    colours: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """colours of the scene's objects that its instructions do not name (LIBERO: the black bowl): the
+    instruction resolver accepts these from a user and refuses any other colour on that object"""
 
 
 _REGISTRY: dict[str, EnvSpec] = {}
 
 
 def register(env_id: str, backend: str, entry: str, kind: str = "task", description: str = "",
-             **defaults: Any) -> None:
-    _REGISTRY[env_id] = EnvSpec(env_id, backend, entry, kind, description, dict(defaults))
+             colours: dict[str, tuple[str, ...]] | None = None, **defaults: Any) -> None:
+    _REGISTRY[env_id] = EnvSpec(env_id, backend, entry, kind, description, dict(defaults), dict(colours or {}))
 
 
 def spec(env_id: str) -> EnvSpec:

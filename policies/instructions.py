@@ -73,7 +73,8 @@ PREP_ROLE = {  # preposition -> role of the noun phrase it opens; None: keeps th
     **dict.fromkeys("with".split(), "theme"),
     **dict.fromkeys("for about around through along past than except without".split(), "other"),
 }
-PARTICLES = frozenset("up down away back around over off on in out inside aside together".split())
+PARTICLES = frozenset("up down away back around over off on in out inside aside together forward forwards backward "
+                      "backwards along".split())
 BOUNDARIES = frozenset([",", "and", "then", "after", "before", "while", "once", "or", "but", "also", "next", "if",
                         "when", "whether", "because", "unless", "until", "as", "since"])
 NEGATIONS = frozenset("not never dont don nor".split())
@@ -81,7 +82,7 @@ FILLERS = frozenset("""please pls plz kindly could would will shall should must 
 want wanna need needs needed like love d ll ve re m now just simply also again ok okay hey hi hello robot thanks thank
 do does did is are be am was were been being there here so very really go ahead try sure make gonna have has had got
 get going ends end up yeah yes well first finally then immediately quick fast slow gently carefully what how why
-where""".split()) \
+where um umm uh uhh er erm hmm ah oh alright ever quite rather pretty""".split()) \
     - {"make", "get", "end", "ends", "up", "go", "going", "next"}
 # "make", "get", "go" are verbs below; "up" is a particle
 COLOURS = frozenset("""red green blue yellow orange purple violet pink black white grey gray brown cyan magenta teal
@@ -91,7 +92,8 @@ SPATIAL = frozenset("""left right top bottom middle center centre central front 
 nearest farthest furthest closest inner outer leftmost rightmost uppermost topmost lowest highest bottommost
 north south east west""".split())
 GENERIC_NOUNS = frozenset("""one ones thing things object objects item items stuff table tabletop surface side hand
-end part corner edge workspace area spot location there here me yourself somewhere anywhere everywhere""".split())
+end part corner edge workspace area spot location there here me yourself somewhere anywhere everywhere gripper
+claw air""".split())
 # "area/spot/location" are also places; a suite that trains one of them grounds it
 _SUBJECTS = frozenset("you we i u someone they".split())
 PACKAGING = frozenset("box package packet carton pack tub bag wrapper jar container".split())
@@ -111,8 +113,11 @@ IDIOMS = [  # token sequence -> replacement (and the word it implies, kept as an
     (("on", "top", "of"), ("onto",), "top"), (("on", "to"), ("onto",), None), (("in", "to"), ("into",), None),
     (("next", "to"), ("beside",), None), (("so", "that"), (",",), None), (("in", "order", "to"), (",",), None),
     (("left", "hand"), ("left",), None), (("right", "hand"), ("right",), None), (("go", "ahead", "and"), (",",), None),
-    (("a", "bit"), (), None), (("a", "little"), (), None), (("make", "sure"), (), None),
+    (("a", "bit"), (), None), (("a", "little"), (), None), (("a", "lot"), (), None), (("make", "sure"), (), None),
     (("at", "the", "end"), (), None),
+    # compounds whose head would read as another noun ("trash can": a bin, not a can)
+    *(((a, b), ("bin",), None) for a in ("trash", "garbage", "rubbish", "waste", "litter", "recycling")
+      for b in ("can", "bin", "basket")),
 ]
 # General-English synonym groups (optional: ``synonyms=False``). A word may sit in several groups.
 SYNONYM_GROUPS: tuple[frozenset[str], ...] = tuple(frozenset(g.split()) for g in (
@@ -131,7 +136,7 @@ SYNONYM_GROUPS: tuple[frozenset[str], ...] = tuple(frozenset(g.split()) for g in
     "ball sphere",
     "goal target marker mark spot zone area region pad destination",
     "plate dish platter saucer",
-    "bin basket bucket container trash wastebasket tub",
+    "bin basket bucket container trash wastebasket tub garbage rubbish trashcan dustbin wastebin",
     "bowl basin",
     "stove cooker cooktop hob range burner",
     "cabinet cupboard",
@@ -158,6 +163,8 @@ ANTONYM_PAIRS = (("open", "close"), ("turn_on", "turn_off"), ("push", "pull"),
                  ("raise", "lower"), ("stack", "unstack"), ("in", "out"), ("on", "off"),
                  ("near", "far"), ("fill", "empty"), ("lock", "unlock"), ("start", "stop"), ("attach", "detach"))
 
+REFERENT_QUALITY = 0.5
+"""match quality of an unknown destination noun read through its modifiers (``_referent``)"""
 DEFAULT_THRESHOLDS = {"soft": 1.01, "evidence": 0.0, "recall": 0.0}
 """``soft``: MiniLM word cosine at which an unknown verb or object counts as a trained one (1.01:
 never); ``evidence``: how much more support (summed match quality of the query's words) the chosen
@@ -235,8 +242,16 @@ class Token:
     explicit: bool = False  # role set by a preposition (not the default theme)
 
 
+IRREGULAR = {  # past forms of verbs a manipulation request uses ("the block slid over to ...")
+    "slid": "slide", "laid": "lay", "took": "take", "taken": "take", "brought": "bring", "held": "hold",
+    "got": "get", "gotten": "get", "threw": "throw", "thrown": "throw", "stuck": "stick", "drew": "draw",
+    "drawn": "draw", "hung": "hang", "caught": "catch", "kept": "keep", "made": "make", "sat": "sit",
+    "stood": "stand", "lit": "light", "swung": "swing", "shook": "shake", "shaken": "shake", "moved": "move",
+    "went": "go", "gone": "go", "gave": "give", "given": "give", "lifted": "lift", "rose": "rise", "risen": "rise"}
+
+
 def _lemmas(w: str) -> list[str]:
-    out = [w]
+    out = [w] + ([IRREGULAR[w]] if w in IRREGULAR else [])
     if w.endswith("ies") and len(w) > 4:
         out.append(w[:-3] + "y")
     if w.endswith("es") and len(w) > 3:
@@ -495,6 +510,9 @@ def _roles(toks: list[Token], lex: Lexicon) -> None:
         if phrase >= 0 and (cls == "verb" or cls is None and lex.is_verb_like(t.word)):
             t.pos, phrase = "verb", -1  # "the red cube goes ...", "slide the drawer open"
             continue
+        if cls is None and t.word not in GENERIC_NOUNS and _prev_kind(toks, t) == "pron":
+            t.pos = "verb"  # "... so it sits in front of the stove": a pronoun's verb, not a noun
+            continue
         if phrase < 0 and started and lex.is_verb_like(t.word) and cls in (None, "verb") \
                 and _prev_kind(toks, t) not in ("det", "prep"):
             t.pos = "verb"  # "pull open the drawer", "... the drawer open"
@@ -603,8 +621,11 @@ class InstructionResolver:
 
     def __init__(self, instructions: Sequence[str], *, synonyms: bool = True,
                  thresholds: dict[str, float] | None = None, encoder: WordEncoder | None = None,
-                 calibration: dict[str, Any] | None = None):
+                 calibration: dict[str, Any] | None = None, colours: dict[str, Sequence[str]] | None = None):
         instructions = [str(s) for s in instructions]
+        # the colours the scene's objects have where its instructions name none (LIBERO's bowl is black):
+        # a user may say them; any other colour on that object is refused
+        self.colours = {str(k): tuple(str(c) for c in v) for k, v in sorted((colours or {}).items())}
         if not instructions or any(not s.strip() for s in instructions):
             from envs.errors import InstructionError
             raise InstructionError(f"a resolver needs non-empty trained instructions, got {instructions!r}")
@@ -645,7 +666,8 @@ class InstructionResolver:
         """Plain JSON-able data (goes into a checkpoint); ``from_json`` rebuilds the same resolver."""
         return {"version": RESOLVER_VERSION, "instructions": list(self.instructions), "synonyms": self.synonyms,
                 "thresholds": {k: float(v) for k, v in sorted(self.thresholds.items())},
-                "lexicon": lexicon_digest(self.synonyms), "calibration": self.calibration}
+                "lexicon": lexicon_digest(self.synonyms), "calibration": self.calibration,
+                **({"colours": {k: list(v) for k, v in self.colours.items()}} if self.colours else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | str, encoder: WordEncoder | None = None) -> "InstructionResolver":
@@ -656,7 +678,7 @@ class InstructionResolver:
             raise CheckpointError(f"instruction resolver calibration version {data.get('version')!r}; this code "
                                   f"reads version {RESOLVER_VERSION} (re-fit it: InstructionResolver.fit)")
         return cls(data["instructions"], synonyms=bool(data["synonyms"]), thresholds=dict(data["thresholds"]),
-                   encoder=encoder, calibration=dict(data.get("calibration", {})))
+                   encoder=encoder, calibration=dict(data.get("calibration", {})), colours=data.get("colours"))
 
     @property
     def lexicon_changed(self) -> bool:
@@ -711,11 +733,15 @@ class InstructionResolver:
         if not isinstance(text, str) or not text.strip():
             return [], {}, "the instruction is empty; say what the robot should do", set()
         toks = parse(text, self.lex)
-        neg = [t for t in toks if t.kind == "neg"]
-        if neg:
-            return toks, {}, ("negated instructions ('not', 'never', \"don't\") are not supported; say what the "
-                              "robot should do"), set()
         content = [k for k, t in enumerate(toks) if t.kind == "content" and not t.implied]
+        # a negated clause says what not to do ("push the blue cube, not the red one"): it is set aside,
+        # and an instruction that is only negated is refused
+        negated = {t.clause for t in toks if t.kind == "neg"}
+        if negated:
+            content = [k for k in content if toks[k].clause not in negated]
+            if not any(self._matches(toks[k]) for k in content):
+                return toks, {}, ("negated instructions ('not', 'never', \"don't\") are not supported; say what the "
+                                  "robot should do"), set()
         if not content:
             return toks, {}, f"no instruction words in {text.strip()!r}; {self._known_hint()}", set()
         matches: dict[int, list[tuple[str, float]]] = {}
@@ -723,6 +749,7 @@ class InstructionResolver:
             m = self._matches(toks[k])
             if m:
                 matches[k] = m
+        content = self._without_framing(toks, content, matches)
         # preparatory clauses: "pick up X and put it ..." where a later clause has a verb
         verbs_by_clause: dict[int, list[int]] = {}
         for k in content:
@@ -735,6 +762,8 @@ class InstructionResolver:
                 w = toks[k].word
                 if w in ACQUIRE_VERBS or any(w in g and g & ACQUIRE_VERBS for g in SYNONYM_GROUPS):
                     exempt.add(k)
+        # "... until it sits on the mark", "so that it rests on ...": a pronoun's verb says the end state
+        exempt |= {k for k in content if toks[k].pos == "verb" and _prev_kind(toks, toks[k]) == "pron"}
         unreadable = [toks[k] for k in content if k not in matches and not self.lex.known(toks[k].word)
                       and toks[k].word not in english_words() and not toks[k].word.isdigit()]
         if len(unreadable) == len(content):
@@ -751,6 +780,10 @@ class InstructionResolver:
                 if t.word in pool and values:
                     return toks, matches, (f"'{t.raw}' is not a {name} this policy was trained on "
                                            f"(it knows: {', '.join(values)})"), exempt
+            if t.word in COLOURS and not self.lex.colours:
+                reason = self._scene_colour(toks, t, matches)
+                if reason:
+                    return toks, matches, reason, exempt
         # verbs: each clause's verb grounds to a trained verb, unless the clause has another that does
         for k in content:
             t = toks[k]
@@ -770,6 +803,10 @@ class InstructionResolver:
             if soft:
                 matches[k] = soft
                 continue
+            by_roles = self._verb_by_roles(toks, k, content, matches)
+            if by_roles is not None:
+                matches[k] = [(by_roles, REFERENT_QUALITY)]
+                continue
             if not self.lex.known(t.word) and t.word not in english_words():
                 return toks, matches, self._unreadable(t), exempt
             return toks, matches, (f"'{t.raw}' is not an action this policy was trained on "
@@ -779,7 +816,8 @@ class InstructionResolver:
             t = toks[k]
             if t.pos != "head" or k in matches or t.word in GENERIC_NOUNS:
                 continue
-            phrase = [j for j in content if toks[j].phrase == t.phrase]
+            after_of = k + 1 < len(toks) and toks[k + 1].word == "of"  # "the box of cream cheese"
+            phrase = [j for j in content if toks[j].phrase == t.phrase or (after_of and toks[j].phrase == t.phrase + 1)]
             if t.word in PACKAGING and any(j in matches and any(self.lex.trained[w] == "noun" for w, _ in matches[j])
                                            for j in phrase):
                 continue
@@ -787,13 +825,111 @@ class InstructionResolver:
             if soft:
                 matches[k] = soft
                 continue
+            ref = self._referent(toks, k, content, matches)
+            if ref is not None:
+                matches[k] = [(ref, REFERENT_QUALITY)]
+                continue
             if not self.lex.known(t.word) and t.word not in english_words():
                 return toks, matches, self._unreadable(t), exempt
             return toks, matches, (f"'{t.raw}' is not an object or place this policy was trained on "
                                    f"(it knows: {', '.join(self.lex.nouns)})"), exempt
         if not any(k in matches for k in content if k not in exempt):
             return toks, matches, f"no trained instruction is close to {text.strip()!r}; {self._known_hint()}", exempt
+        clauses = {toks[k].clause for k in content}
+        objects = [k for k in content if k not in exempt and toks[k].role == "theme" and k in matches
+                   and self.lex.trained.get(matches[k][0][0]) in ("noun", "colour")]  # "the green one"
+        pron = next((t for t in toks if t.kind == "pron" and t.clause in clauses and t.role == "theme"), None)
+        if pron is not None and not objects:
+            return toks, matches, f"'{pron.raw}' does not say which object; name it", exempt
         return toks, matches, None, exempt
+
+    def _without_framing(self, toks: list[Token], content: list[int],
+                         matches: dict[int, list[tuple[str, float]]]) -> list[int]:
+        """``content`` without the clauses that frame a request instead of making one ("would you be so
+        kind as to ...", "..., cheers", "I think"): no noun, no pronoun and no grounded word, beside a
+        clause that grounds one."""
+        grounded = {toks[k].clause for k in matches}
+        if not grounded:
+            return content
+        framing = set()
+        for c in {toks[k].clause for k in content} - grounded:
+            words = [k for k in content if toks[k].clause == c]
+            if not any(toks[k].pos == "head" for k in words) and not any(
+                    t.kind == "pron" and t.clause == c for t in toks):
+                framing.add(c)
+        return [k for k in content if toks[k].clause not in framing]
+
+    def _referent(self, toks: list[Token], k: int, content: list[int],
+                  matches: dict[int, list[tuple[str, float]]]) -> str | None:
+        """The trained destination an unknown noun names by its modifiers ("the left circle" where the
+        only left place is the left goal), or None.
+
+        People name a place by what they see ("circle", "square", "dot") more often than by the word a
+        task was written with; its modifiers carry what tells the places apart. Only a destination, only
+        a word the lexicon does not know as some other thing (a "bowl" or "drawer" stays refused), and only
+        when every modifier is grounded and together they fit exactly one trained destination head."""
+        t = toks[k]
+        if t.role != "dest" or self.lex.known(t.word) or not t.word.isalpha():
+            return None
+        headed = {u.phrase for u in toks if u.pos == "head"}
+        mods = [j for j in content if j != k and not toks[j].implied and (toks[j].phrase == t.phrase or (
+            toks[j].clause == t.clause and toks[j].role == "dest" and toks[j].phrase not in headed))]  # "... on the right"
+        if not mods or any(j not in matches for j in mods):
+            return None
+        named = [{w for w, _ in matches[j] if self.lex.trained.get(w) in ("colour", "spatial")} for j in mods]
+        if not all(named):
+            return None
+        heads = set()
+        for c in self.cands:
+            for h in c.tokens:
+                if h.role != "dest" or h.pos != "head" or self.lex.trained.get(h.word) != "noun":
+                    continue
+                have = {u.word for u in c.tokens if u.phrase == h.phrase and u is not h}
+                if all(n & have for n in named):
+                    heads.add(h.word)
+        return heads.pop() if len(heads) == 1 else None
+
+    def _verb_by_roles(self, toks: list[Token], k: int, content: list[int],
+                       matches: dict[int, list[tuple[str, float]]]) -> str | None:
+        """The trained verb an unknown English verb stands for when its clause names what moves and where
+        it goes ("toss the can into the bin"), and every trained instruction with those words moves
+        something to a destination with one and the same verb; None otherwise ("throw the red cube",
+        with no destination, stays refused: the end state is not said)."""
+        t = toks[k]
+        if t.word not in english_words() or not t.word.isalpha():
+            return None
+        others = [j for j in content if j != k and toks[j].pos != "verb"]
+        if any(j not in matches for j in others if toks[j].pos == "head" and toks[j].word not in GENERIC_NOUNS):
+            return None
+        named = [{w for w, _ in matches[j]} for j in others if j in matches]
+        heads = [j for j in others if j in matches and toks[j].pos == "head"]
+        if not any(toks[j].role == "theme" for j in heads) or not any(
+                toks[j].role == "dest" and toks[j].explicit and toks[j].clause == t.clause for j in others
+                if j in matches):
+            return None
+        verbs = set()
+        for c in self.cands:
+            words = {u.word for u in c.tokens}
+            if all(n & words for n in named) and any(u.role == "dest" for u in c.tokens):
+                verbs |= {u.word for u in c.tokens if u.pos == "verb"}
+        return verbs.pop() if len(verbs) == 1 else None
+
+    def readings(self, text: str) -> list[str]:
+        """How ``resolve`` read words it does not know ("'circle' as 'goal'"), for the user to see."""
+        toks, matches, _, _ = self.analyse(text)
+        return [f"'{toks[k].raw}' as '{m[0][0]}'" for k, m in sorted(matches.items())
+                if len(m) == 1 and m[0][1] == REFERENT_QUALITY and not self.lex.known(toks[k].word)]
+
+    def _scene_colour(self, toks: list[Token], t: Token, matches: dict[int, list[tuple[str, float]]]) -> str | None:
+        """Why a colour word is refused where the instructions name no colour (None: the object has it)."""
+        heads = [matches[j][0][0] for j, u in enumerate(toks) if u.phrase == t.phrase and u.pos == "head"
+                 and j in matches]
+        have = self.colours.get(heads[0], ()) if heads else ()
+        same = {t.word} | {m for g in self.lex.groups if t.word in g for m in g}
+        if same & set(have):
+            return None
+        told = f"; the {heads[0]} here is {' and '.join(have)}" if have else ""
+        return f"'{t.raw}' is not a colour this policy was trained on (its instructions name no colour{told})"
 
     def _unreadable(self, t: Token) -> str:
         """The reason for a word that is neither English nor a typo of a word the policy knows."""
@@ -942,7 +1078,7 @@ class InstructionResolver:
     @classmethod
     def fit(cls, instructions: Sequence[str], *, synonyms: bool = True, soft: bool = False,
             others: Sequence[str] = (), encoder: WordEncoder | None = None, seed: int = 0,
-            per_instruction: int = 24) -> "InstructionResolver":
+            per_instruction: int = 24, colours: dict[str, Sequence[str]] | None = None) -> "InstructionResolver":
         """A resolver for ``instructions`` with thresholds chosen on a generated calibration set
         (``calibration_set``; ``others``: instructions of other suites, as negatives). ``soft`` is
         chosen with the synonym table withheld (its synonyms then stand for words the table lacks),
@@ -968,14 +1104,14 @@ class InstructionResolver:
         soft_t = DEFAULT_THRESHOLDS["soft"]
         if soft:
             grid = [1.01, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4]
-            probe = cls(instructions, synonyms=False, encoder=enc)
+            probe = cls(instructions, synonyms=False, encoder=enc, colours=colours)
             table = {}
             for s in grid:
                 probe.thresholds["soft"] = s
                 table[s] = errors(probe)
             soft_t = min(grid, key=lambda s: (sum(table[s]), -s))
             stats["soft_grid"] = {str(s): list(v) for s, v in table.items()}
-        r = cls(instructions, synonyms=synonyms, encoder=enc, thresholds={"soft": soft_t})
+        r = cls(instructions, synonyms=synonyms, encoder=enc, thresholds={"soft": soft_t}, colours=colours)
         grid2 = [(e, rc) for e in (0.0, 0.25, 0.5) for rc in (0.0, 0.2, 0.3, 0.4)]
         table2 = {}
         for e, rc in grid2:

@@ -70,11 +70,12 @@ def trained_instructions(policy: Any) -> list[str]:
     return list(got)
 
 
-def fit_instruction_resolver(instructions: list[str]) -> Any:
+def fit_instruction_resolver(instructions: list[str], colours: dict[str, tuple[str, ...]] | None = None) -> Any:
     """The resolver ``groundflow train`` stores in a checkpoint (``InstructionResolver.fit``, seed 0:
-    the same instructions give the same calibration, in about 1 s for a dozen)."""
+    the same instructions give the same calibration, in about 1 s for a dozen); ``colours``: the
+    training env's object colours its instructions do not name (``envs.registry.EnvSpec.colours``)."""
     from policies.instructions import InstructionResolver
-    return InstructionResolver.fit(sorted(set(instructions)))
+    return InstructionResolver.fit(sorted(set(instructions)), colours=colours)
 
 
 def instruction_resolver(policy: Any) -> Any:

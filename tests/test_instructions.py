@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import envs
+
 from policies.instructions import InstructionResolver, calibration_set
 
 WORDINGS = json.loads((Path(__file__).parent / "data" / "instruction_wordings.json").read_text())
@@ -34,8 +36,23 @@ def resolvers() -> dict[str, InstructionResolver]:
     for name in ("tabletop", "kitchen", "libero_goal"):
         ins, _ = _suite(name)
         others = [t for n in ("tabletop", "kitchen", "libero_goal") if n != name for t in _suite(n)[0]]
-        out[name] = InstructionResolver.fit(ins, others=others)
+        colours = envs.spec("libero/GoalSuite").colours if name == "libero_goal" else None
+        out[name] = InstructionResolver.fit(ins, others=others, colours=colours)
     return out
+
+
+def test_a_colour_the_scene_does_not_show_is_refused(resolvers):
+    """LIBERO-Goal's instructions name no colour; its env says the bowl is black. "the black bowl" runs,
+    "the red bowl" or "the blue plate" is refused, and a checkpoint trained there carries the colours."""
+    from train.bc import _resolver_json
+    r = resolvers["libero_goal"]
+    assert r.resolve("set the black bowl on the plate").instruction == "put the bowl on the plate"
+    for text, said in (("put the red bowl on the plate", "black"), ("push the blue plate to the front of the stove",
+                                                                     "no colour")):
+        res = r.resolve(text)
+        assert not res.ok and said in res.reason, res.reason
+    stored = InstructionResolver.from_json(_resolver_json(tuple(r.instructions), "libero/GoalSuite"))
+    assert stored.colours == {"bowl": ("black",)} and not stored.resolve("put the red bowl on the plate").ok
 
 
 @pytest.mark.parametrize("name", ["tabletop", "kitchen", "libero_goal"])
@@ -85,6 +102,45 @@ def test_refusals_name_the_problem(resolvers, text, words):
     res = resolvers["tabletop"].resolve(text)
     assert not res.ok and res.instruction is None and res.index is None
     assert "\n" not in res.reason and all(w in res.reason for w in words), res.reason
+
+
+@pytest.mark.parametrize("name,text,want,reading", [
+    # a place named by what it looks like: its modifier picks the one trained place with it
+    ("tabletop", "slide the blue block to the left dot", "push the blue cube to the left goal", "'dot' as 'goal'"),
+    ("tabletop", "nudge the red cube onto the square on the right", "push the red cube to the right goal",
+     "'square' as 'goal'"),
+    # an unknown action whose object and destination say the end state
+    ("kitchen", "fling the blue block into the bin", "put the blue cube in the bin", "'fling' as 'put'"),
+    ("tabletop", "balance the green cube on the red one", "stack the green cube on the red cube",
+     "'balance' as 'stack'"),
+])
+def test_unknown_words_read_by_what_the_rest_of_the_wording_pins_down(resolvers, name, text, want, reading):
+    r = resolvers[name]
+    assert r.resolve(text).instruction == want, r.resolve(text).reason
+    assert reading in r.readings(text)
+
+
+@pytest.mark.parametrize("name,text,words", [
+    ("tabletop", "push the red cube to the left bowl", ("bowl", "object")),  # a known other thing stays refused
+    ("tabletop", "slide the blue block to the dot", ("dot",)),  # no modifier: which place?
+    ("tabletop", "fling the red cube", ("fling", "action")),  # no destination: the end state is not said
+    ("kitchen", "put it in the bin", ("'it'", "which object")),
+    ("tabletop", "never push the red cube to the left goal", ("negated",)),
+])
+def test_what_stays_refused(resolvers, name, text, words):
+    res = resolvers[name].resolve(text)
+    assert not res.ok and all(w in res.reason for w in words), res.reason
+
+
+@pytest.mark.parametrize("name,text,want", [
+    ("tabletop", "push the green cube to the right goal, not the blue one", "push the green cube to the right goal"),
+    ("tabletop", "would you be so good as to lift the red block", "pick up the red cube"),
+    ("kitchen", "the can goes on the plate, thanks a lot", "put the green can on the plate"),
+    ("tabletop", "shove the blue box along until it rests on the left marker", "push the blue cube to the left goal"),
+])
+def test_framing_negated_and_result_clauses_are_set_aside(resolvers, name, text, want):
+    res = resolvers[name].resolve(text)
+    assert res.instruction == want, res.reason
 
 
 def test_other_suites_and_off_task_requests_are_refused(resolvers):

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 import policies
 from dataset.files import disk_full_errno, disk_full_error, hold_directory
-from envs import make as make_env
+from envs import list_envs, make as make_env, spec as env_spec
 from envs import is_proprio, state_indices, state_slices
 from envs.errors import CheckpointError, GroundflowError, InvalidOptionError
 from policies import PolicyConfig, make_policy
@@ -613,17 +613,19 @@ def _tree_sha256(obj: Any) -> str:
     return h.hexdigest()
 
 
-def _resolver_extra(policy: Any) -> dict[str, Any]:
+def _resolver_extra(policy: Any, env_id: str | None = None) -> dict[str, Any]:
     """The instruction resolver's calibration for a checkpoint with more than one instruction (what
-    eval, serve and deploy resolve a user's wording with; ``policies.model.instruction_resolver``)."""
+    eval, serve and deploy resolve a user's wording with; ``policies.model.instruction_resolver``),
+    with the colours the training env's scene shows beyond its instructions' words."""
     texts = tuple(sorted(set(policy.lang.cache) - {NULL_INSTRUCTION}))
-    return {RESOLVER_KEY: _resolver_json(texts)} if len(texts) > 1 else {}
+    return {RESOLVER_KEY: _resolver_json(texts, env_id or "")} if len(texts) > 1 else {}
 
 
 @functools.lru_cache(maxsize=4)
-def _resolver_json(texts: tuple[str, ...]) -> dict[str, Any]:
+def _resolver_json(texts: tuple[str, ...], env_id: str) -> dict[str, Any]:
     """Fitted once per instruction set (about 1 s), not at every periodic save."""
-    return fit_instruction_resolver(list(texts)).to_json()
+    colours = env_spec(env_id).colours if env_id in list_envs() else {}
+    return fit_instruction_resolver(list(texts), colours).to_json()
 
 
 def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra,
@@ -634,7 +636,7 @@ def _save(out: Path, policy, ema, opt, step: int, history, args_json, meta_extra
     tmp, writing = out / "train_state.pt.tmp", out / "ckpt"
     try:
         saved = ema or policy
-        extra = {**meta_extra, "step": step, **_resolver_extra(saved)}
+        extra = {**meta_extra, "step": step, **_resolver_extra(saved, meta_extra.get("env_id"))}
         saved.save(out / "ckpt", extra=extra)  # removes its own .tmp on failure
         writing = out / "train_state.pt"
         st = {"model": policy.state_dict(), "ema": ema.state_dict() if ema is not None else None,
