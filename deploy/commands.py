@@ -31,7 +31,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import tyro
 
@@ -321,12 +321,18 @@ def check_policy_fits_env(meta: dict, robot, args: DeployArgs) -> None:
                          f"(--force runs it anyway)")
 
 
-def _check_instruction(client, args: DeployArgs) -> str | None:
+def _check_instruction(client, args: DeployArgs, robot: Any = None) -> str | None:
     """Ask the server what ``--instruction`` resolves to before the first motion command: the trained
     instruction it means (None: no --instruction, or a server that cannot say). A refusal closes the
     client, prints one line with the server's reason and exits with ``EXIT_INSTRUCTION_REFUSED``; the
-    robot was sent nothing."""
+    robot was sent nothing. So does a policy that needs an instruction on an arm given none (a real arm's
+    instruction comes only from --instruction; a simulated suite's from its env)."""
     if not args.instruction:
+        if client.metadata.get("needs_instruction") and getattr(robot, "instruction", None) == "":
+            client.close()
+            print("groundflow deploy: the served policy follows an instruction and none was given, no motion "
+                  "sent: pass --instruction TEXT", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_INSTRUCTION_REFUSED)
         return None
     try:
         resolved = client.resolve_instruction(args.instruction)
@@ -395,7 +401,7 @@ def deploy(argv: list[str]) -> None:
             except HandshakeError:
                 client.close()
                 raise
-        resolved = _check_instruction(client, args)  # before anything moves
+        resolved = _check_instruction(client, args, robot)  # before anything moves
         obstacles = _read_obstacles(args.obstacles)
         ws = args.workspace
         if len(args.keep_out) % 4:

@@ -184,6 +184,27 @@ def test_deploy_refusal_sends_no_motion_and_exits_3(ckpts, monkeypatch, capsys):
     assert f"-> trained instruction {TRAINED[0]!r}" in capsys.readouterr().err
 
 
+def test_a_real_arm_given_no_instruction_is_refused_before_motion(ckpts, capsys):
+    """A real arm's instruction comes only from --instruction: with none, a policy that follows one is refused
+    at connect time (exit 3), not at its first request mid-run. A bring-up policy that reads none runs."""
+    import policies
+    from deploy.commands import DeployArgs, _check_instruction
+    from deploy.robots.franka import FrankaRobot
+    from deploy.scripted import JointTargetPolicy
+    arm = FrankaRobot("127.0.0.1")  # not connected: only its (empty) instruction is read
+    with PolicyServer(policies.load(ckpts[0]), port=0) as srv, PolicyClient(port=srv.port) as c:
+        assert c.metadata["needs_instruction"] is True
+        with pytest.raises(SystemExit) as e:
+            _check_instruction(c, DeployArgs(robot="franka", server=srv.address), arm)
+        assert e.value.code == EXIT_INSTRUCTION_REFUSED
+        assert "none was given, no motion sent" in capsys.readouterr().err
+        assert srv.stats["requests"] == 0
+    bring_up = JointTargetPolicy(9, 8, (0.0,) * 8, needs_instruction=False)
+    with PolicyServer(bring_up, port=0) as srv, PolicyClient(port=srv.port) as c:
+        assert c.metadata["needs_instruction"] is False
+        assert _check_instruction(c, DeployArgs(robot="franka", server=srv.address), arm) is None
+
+
 # ---- P5 with the resolver (train/protocols.py) ----------------------------------------------------
 
 def test_resolving_policy_acts_on_the_trained_instruction_and_holds_on_refusal(ckpts):

@@ -55,6 +55,7 @@ def policy_metadata(policy: Any, max_message_bytes: int, margin: float = protoco
             "action_low": None if bounds is None else bounds[0].tolist(),
             "action_high": None if bounds is None else bounds[1].tolist(),
             "max_instruction_chars": protocol.MAX_INSTRUCTION_CHARS,
+            "needs_instruction": needs_instruction(policy),  # a client with none is refused before it moves
             # by name, where the checkpoint recorded them: cameras, state slices read, slices estimated from
             # the images, and whether it reads object state a physical arm cannot measure
             "inputs": getattr(policy, "inputs", None),
