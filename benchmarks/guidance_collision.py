@@ -238,6 +238,7 @@ def _deploy(a: Args, ckpt: Path) -> None:
     from deploy.evaluate import evaluate_via_server
     rows: dict[str, Any] = {}
     for name, obstacles, settings in (("constrained", "scene", None),
+                                      ("constrained_slide", "scene", ArmGuidance(fallback="slide")),
                                       ("constrained_no_coast", "scene", ArmGuidance(coast=0.0)),
                                       ("unguided", None, None)):
         t0 = time.time()

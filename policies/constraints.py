@@ -164,6 +164,11 @@ class ArmGuidance:
     coast: float = 0.5
     """the fraction of the chunk's last step the check runs the path on: a Panda under pd_ee_delta_pos moves
     on after a hold (1.2 cm, about half its last step, in the one collision of 100 deploy episodes without it)"""
+    fallback: str = "hold"
+    """when no sample passes the check: ``hold`` (the robot waits and the next plan tries again) or ``slide``
+    (a short move along the nearest obstacle toward the goal, sent only if it passes the same check)"""
+    slide_step: float = 0.01
+    """metres per step of a slide"""
     check: ChunkCheck = ChunkCheck()
 
     def __post_init__(self) -> None:
@@ -189,13 +194,20 @@ class ArmGuidance:
                                          or not 1 <= self.n_steps <= MAX_FLOW_STEPS):
             raise InvalidOptionError(f"settings.n_steps must be an integer in [1, {MAX_FLOW_STEPS}] (or None); "
                                      f"got {self.n_steps!r}")
+        if self.fallback not in ("hold", "slide"):
+            raise InvalidOptionError(f"settings.fallback must be 'hold' or 'slide'; got {self.fallback!r}")
+        if isinstance(self.slide_step, bool) or not isinstance(self.slide_step, (int, float)) \
+                or not 0.001 <= self.slide_step <= 0.05:
+            raise InvalidOptionError(f"settings.slide_step must be a number in [0.001, 0.05] metres; got "
+                                     f"{self.slide_step!r}")
         if self.check.candidates * (1 + self.check.retries) > MAX_DRAWS:
             raise InvalidOptionError(f"settings.check draws at most {MAX_DRAWS} candidates per plan (candidates x "
                                      f"(1 + retries)); got {self.check}")
 
     def to_message(self) -> dict:
         return {**{k: getattr(self, k) for k in ("method", "options", "scale", "n_steps", "margin", "goal_weight",
-                                                  "clearance", "cost_spacing", "check_spacing", "coast")},
+                                                  "clearance", "cost_spacing", "check_spacing", "coast",
+                                                  "fallback", "slide_step")},
                 "candidates": self.check.candidates, "retries": self.check.retries}
 
     @classmethod
@@ -341,10 +353,45 @@ def constrained_chunk(policy: Any, obs: dict, c: ArmConstraints) -> ConstrainedC
                           s.coast)
     x, st = choose_chunk(policy, policy.obs_to_batch(obs), s.check, guide=guide, cost=cost,
                          n_exec=policy.config.n_exec, feasible=feasible, n_steps=s.n_steps)
+    if x is None and s.fallback == "slide" and goal is not None:
+        x = _slide(policy, policy.obs_to_batch(obs), tcp, goal, c, feasible)
     if x is None:
         return ConstrainedChunk(None, f"no chunk kept {100 * s.clearance:.1f} cm from the obstacles "
                                       f"({st.rejected} rejected): hold and plan again", st.nfe, st.rejected)
     return ConstrainedChunk(_sent(policy, x), "", st.nfe, st.rejected)
+
+
+def _slide(policy: Any, batch: Any, tcp: np.ndarray, goal: np.ndarray, c: ArmConstraints,
+           feasible: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """A chunk that slides the hand past the obstacle nearest its body, for a plan no sample passed: every
+    step ``slide_step`` metres toward the goal with the part into that obstacle removed, pushed away from it
+    by 0, 0.5 or 1 times the step, or straight away from it; the first that passes ``feasible`` (the same
+    check), or None. The other action dimensions (a gripper) are the policy's own sample's."""
+    s = c.settings
+    pts = torch.as_tensor(tcp + c.points(s.check_spacing), dtype=torch.float32)
+    depth = torch.stack([o.sdf(pts[None])[0] for o in c.shapes])  # (obstacles, points)
+    k, p = divmod(int(depth.argmin()), depth.shape[1])
+    eps = 1e-3
+    normal = np.array([float(c.shapes[k].sdf((pts[p] + eps * e)[None, None])[0, 0]
+                             - c.shapes[k].sdf((pts[p] - eps * e)[None, None])[0, 0]) for e in torch.eye(3)])
+    if not np.all(np.isfinite(normal)) or np.linalg.norm(normal) < 1e-9:
+        return None
+    normal /= np.linalg.norm(normal)
+    to_goal = np.asarray(goal, np.float64) - np.asarray(tcp, np.float64)
+    along = to_goal - min(0.0, float(to_goal @ normal)) * normal
+    along = along / np.linalg.norm(along) if np.linalg.norm(along) > 1e-9 else np.zeros(3)
+    with torch.no_grad():
+        template = policy.normalizer.unaction(policy.sample_chunks(batch, n_steps=s.n_steps))[0]
+    for push in (0.0, 0.5, 1.0, None):
+        d = normal if push is None else along + push * normal
+        if np.linalg.norm(d) < 1e-9:
+            continue
+        a = template.clone()
+        a[:, :3] = torch.as_tensor(d / np.linalg.norm(d) * s.slide_step / c.ee_delta_scale, dtype=a.dtype)
+        x = policy.normalizer.action(a.clamp(-ACTION_LIMIT, ACTION_LIMIT))[None]
+        if bool(feasible(x)[0]):
+            return x
+    return None
 
 
 def _sent(policy: Any, x: torch.Tensor) -> np.ndarray:

@@ -61,6 +61,19 @@ def test_a_served_reacher_goes_around_obstacles_it_never_saw_and_never_touches_t
     assert sum(e["dist_to_goal"] < 0.07 for e in guided["episodes"]) >= 2
 
 
+def test_a_slide_replaces_holds_and_stays_clear(reacher):
+    """fallback="slide": where no sample passes the check, a short checked move along the obstacle is sent
+    instead of a hold, on the same episodes: fewer holds, still no collision."""
+    with PolicyServer(reacher, port=0) as srv:
+        address = f"127.0.0.1:{srv.port}"
+        kw = dict(n_episodes=4, seed=5000, env_options={"obstacles": "random"}, max_steps=60, obstacles="scene")
+        held = evaluate_via_server(ENV, address, **kw)
+        slid = evaluate_via_server(ENV, address, guidance=ArmGuidance(fallback="slide"), **kw)
+    holds = [sum(e["constraint_holds"] for e in r["episodes"]) for r in (held, slid)]
+    assert holds[0] > 0 and holds[1] < holds[0], holds
+    assert slid["collision_rate"] == 0.0
+
+
 def test_a_constrained_reply_holds_only_the_checked_steps(reacher):
     """The check covers the ``n_exec`` steps that run before the next plan; the rest of the chunk is
     not sent, so no later step (after a hold or a failed request) can leave the checked path."""
@@ -134,6 +147,7 @@ def test_bad_constraints_get_a_clear_error_naming_the_problem(untrained):
                            ({"body": [[[-1, -1, -1], [1, 1, 1]]]}, "points at the check's spacing"),
                            ({"ee_delta_scale": float("nan")}, "ee_delta_scale"),
                            ({"settings": {"scale": -1}}, "settings.scale"),
+                           ({"settings": {"fallback": "teleport"}}, "settings.fallback"),
                            ({"settings": {"candidates": 32, "retries": 1}}, "at most 32"),
                            ({"settings": {"method": "velocity_gradient", "options": {}}}, "gradients through")):
             with pytest.raises(ServerError, match=words):
