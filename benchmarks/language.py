@@ -36,18 +36,26 @@ Sections of benchmarks/results/language.json:
 ``timing``: the resolver's ms per call on 1 thread after warm-up (median, p99, max) over A+B+C, and
   the MiniLM variant's with a cold word cache.
 
-``--part paraphrase`` (what the resolver buys a trained policy: P5 of train/protocols.py, every
-episode commanded with one of the suite's held-out paraphrases, with the resolver off and on, on the
-same seeds and paraphrase draws), merged into the same files as the ``paraphrase`` section::
+``rechecks``: the shipped resolver on wording sets helpers wrote blind (benchmarks/data/
+  language_recheck*.json: the trained instructions and scenes only, never the resolver or the other
+  sets); valid wordings resolved correctly / refused / resolved to another instruction, out-of-suite
+  wordings refused. ``recommended``: the method the multitask recipe ships (the resolver).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/language.py --part paraphrase \
-        --ckpt runs/demo/cig_joint/ckpt --episodes 96     # the demo's BC+CIG policy (after make demo)
+What it buys a trained policy (``paraphrase``: P5 of train/protocols.py, every episode commanded with
+one of the suite's held-out paraphrases, the same seeds and wordings for every method), on the
+recommended recipe of each suite, trained here::
 
-``paraphrase``: {"clean", "off", "on", "on_allow_unknown"}: success rate with its 95% CI (clean: the
-  trained instructions; off: each paraphrase encoded as is by MiniLM, the behaviour before the
-  resolver; on: each resolved to its trained instruction, a refused one held still and counted a
-  failure; on_allow_unknown: a refused one encoded as is), the ratios paraphrase / clean, the
-  episodes refused and the wordings resolved or refused.
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/language.py --part train --suite tabletop       # ~15 min
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/language.py --part paraphrase --suite tabletop --episodes 120
+
+(likewise ``kitchen`` and ``libero_goal``). ``paraphrase.<suite>.<method>``: ``encoder`` (each paraphrase
+encoded as is by the checkpoint's MiniLM, the behaviour before the resolver), ``resolver`` (resolved to
+its trained instruction; a refused one holds still and counts as a failure), ``resolver_allow_unknown``
+(a refused one encoded as is); each with ``clean`` (the trained instructions on the same seeds),
+``paraphrase``, ``ratio``, ``episodes``, ``seeds``, the CI and the wordings resolved or refused.
+
+``--part compositional``: the tabletop recipe trained on 10 of its 12 instructions; success on the
+10 (``seen``) and on the 2 pairings no demo shows (``unseen``, encoded as is).
 """
 
 from __future__ import annotations
@@ -97,7 +105,7 @@ class Args:
     valid_refusal: float = 0.02
     """threshold methods: the share of generated valid wordings they may refuse"""
     out: str = "language"
-    part: Literal["resolution", "train", "paraphrase"] = "resolution"
+    part: Literal["resolution", "train", "paraphrase", "compositional"] = "resolution"
     """resolution: the wording sets above; train: demos and the recommended recipe's checkpoint of
     ``--suite`` (state policies, as the suites are measured in docs/grounding.md and docs/libero.md);
     paraphrase: P5 of a checkpoint with the resolver off and on"""
@@ -396,6 +404,52 @@ def train_part(args: Args) -> None:
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
 
 
+HELD_OUT_PAIRS = ("push the red cube to the left goal", "push the blue cube to the right goal")
+"""compositional part: the two tabletop instructions left out of training; every word and every
+(colour, side) of the other pushes is demonstrated, these two pairings never are"""
+
+
+def compositional_part(args: Args) -> None:
+    """Train the tabletop recipe on 10 of its 12 instructions and evaluate the 2 held-out pairings (encoded
+    as is: the resolver refuses an untrained combination, ``--allow-unknown`` runs it) beside the 10."""
+    import os
+    import subprocess
+
+    import policies
+    from envs.maniskill.tasks.tabletop import TABLETOP_SUITE
+    from train.evaluate import evaluate
+    from envs.metrics import wilson
+    seen = [t.instruction for t in TABLETOP_SUITE.tasks if t.instruction not in HELD_OUT_PAIRS]
+    data, out = DATA / "tabletop_comp10_s100000.h5", RUNS / "tabletop_comp10"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if not data.exists():
+        subprocess.run([GROUNDFLOW, "collect", "--suite", "tabletop", "--layout", "random", "--episodes", "1000",
+                        "--seed", "100000", "--out", str(data), "--no-progress", "--instructions", *seen],
+                       check=True, cwd=ROOT, env=env)
+    if not (out / "summary.json").exists():
+        subprocess.run([GROUNDFLOW, "train", "--recipe", "multitask", "--data", str(data), "--out", str(out),
+                        "--seed", str(args.seed), "--no-progress", "--wandb", "disabled"], check=True, cwd=ROOT, env=env)
+    torch.set_num_threads(1)
+    policy = policies.load(out / "ckpt", to_act=True)
+    rows = {}
+    for name, instrs in (("seen", seen), ("unseen", list(HELD_OUT_PAIRS))):
+        torch.manual_seed(args.p5_seed)
+        n = args.episodes if name == "seen" else args.episodes // 2
+        res = evaluate(policy, "maniskill/TabletopSuite-v1", n, seed=args.p5_seed, env_options={"layout": "random"},
+                       instructions=instrs, progress=False, allow_unknown=(name == "unseen"))
+        d = res.to_dict()
+        rows[name] = {"success": res.successes / res.episodes, "ci95": list(wilson(res.successes, res.episodes)),
+                      "episodes": res.episodes, "did_other_task": d["did_other_task_rate"],
+                      "per_instruction": {k: v["success_rate"] for k, v in d["per_instruction"].items()},
+                      "confusion": d.get("confusion")}
+        print(name, rows[name]["success"], flush=True)
+    old = load_results(args.out)
+    old["compositional"] = {"multitask": {"seen": rows["seen"]["success"], "unseen": rows["unseen"]["success"],
+                                          "held_out": list(HELD_OUT_PAIRS), "rows": rows, "demos": 1000,
+                                          "command": "benchmarks/language.py --part compositional"}}
+    write(args.out, old, table(old, list(old.get("suites", {}))))
+
+
 PARAPHRASE_METHODS = {  # name in language.json -> (resolve, allow_unknown)
     "encoder": (False, False),  # each paraphrase encoded as is by the checkpoint's MiniLM (before the resolver)
     "resolver": (True, False),  # resolved to a trained instruction; a refused one holds still: a failure
@@ -419,6 +473,9 @@ def paraphrase_part(args: Args) -> None:
     opts = TRAINING[args.suite][4]
     runs = {}
     for name, (resolve, allow) in PARAPHRASE_METHODS.items():
+        if allow and runs.get("resolver", {}).get("refused_episodes") == 0:  # nothing refused: the same episodes
+            runs[name] = {**runs["resolver"], "allow_unknown": True}
+            continue
         runs[name] = paraphrase_eval(policies.load(ckpt, to_act=True), env_id, args.episodes, args.p5_seed,
                                      instructions=trained, env_options=opts, clean=(name == "encoder"),
                                      perturbation_seed=args.perturbation_seed, resolve=resolve, allow_unknown=allow)
@@ -450,6 +507,8 @@ def main(args: Args) -> None:
         return train_part(args)
     if args.part == "paraphrase":
         return paraphrase_part(args)
+    if args.part == "compositional":
+        return compositional_part(args)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     suites = load_suites(args.suites)
@@ -564,6 +623,8 @@ def main(args: Args) -> None:
     res["synonym_table_words"] = sorted({w for g in SYNONYM_GROUPS for w in g})
     res["wall_s"] = time.perf_counter() - t0
     old = load_results(args.out)  # keep the paraphrase section of an earlier --part paraphrase
+    if "compositional" in old:
+        res["compositional"] = old["compositional"]
     if "paraphrase" in old:  # one section per suite (an older single-checkpoint section is dropped)
         res["paraphrase"] = {k: v for k, v in old["paraphrase"].items() if k in TRAINING}
     write(args.out, res, table(res, list(suites)))
@@ -625,6 +686,14 @@ def table(res: dict, names: list[str]) -> str:
                 out += [f"- {name} {suite}: refused {t!r}: {why}" for t, why in v["refused_valid"].items()]
                 out += [f"- {name} {suite}: accepted {t!r} ({k}) as {i!r}" for t, (k, i) in v["accepted_invalid"].items()]
         out.append("")
+    if "compositional" in res:
+        c = res["compositional"]["multitask"]
+        rows = [[k, f"{r['success']:.3f}", f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]", r["episodes"],
+                 f"{r['did_other_task']:.3f}"] for k, r in c["rows"].items()]
+        out += ["## Compositional: trained on 10 tabletop instructions, evaluated on the 2 pairings never shown\n",
+                f"Held out: {', '.join(repr(t) for t in c['held_out'])} (encoded as is, as --allow-unknown runs "
+                f"them; the resolver refuses an untrained combination). `{c['command']}`\n",
+                md_table(["instructions", "success", "95% CI", "episodes", "did another task"], rows), ""]
     if "paraphrase" in res:
         out.append(paraphrase_table(res["paraphrase"]))
     return "\n".join(out) + "\n"

@@ -109,8 +109,12 @@ def _frame(env: Any, obs: dict) -> np.ndarray:
 
 def evaluate(policy: Any, env_id: str, episodes: int = 20, seed: int = 1000, env_options: dict | None = None,
              instructions: list[str] | None = None, video_dir: Path | None = None, n_videos: int = 2,
-             progress: bool = True, env: Any = None, on_episode: Callable[[int], None] | None = None) -> EvalResult:
+             progress: bool = True, env: Any = None, on_episode: Callable[[int], None] | None = None,
+             allow_unknown: bool = False) -> EvalResult:
     """Evaluate on ``episodes`` seeded episodes; suites cycle their instructions.
+
+    ``allow_unknown``: run suite tasks the checkpoint was never trained on (their instruction encoded
+    as is, as ``--allow-unknown`` asks) instead of refusing them up front.
 
     ``on_episode(n)`` is called after the n-th episode (train/parallel.py's shared progress bar)."""
     own = env is None
@@ -118,7 +122,7 @@ def evaluate(policy: Any, env_id: str, episodes: int = 20, seed: int = 1000, env
     check_compatible(policy, env)
     suite = getattr(env, "suite", None)
     instrs = instructions or (suite.instructions if suite else [env.instruction])
-    if suite is not None and hasattr(policy, "lang"):
+    if suite is not None and hasattr(policy, "lang") and not allow_unknown:
         check_vocabulary(policy, instrs, suite, what=f"the {suite.name} suite")
     res = EvalResult(env_id, 0, 0)
     t0 = time.time()
@@ -215,7 +219,8 @@ def eval_command(argv: list[str]) -> None:
         opts.update(cameras=cams, image_size=meta.get("extra", {}).get("env_image_size", policy.config.image_size))
     out = args.out or (Path(args.ckpt) / f"eval_{env_id.replace('/', '_')}.json")
     res = evaluate(policy, env_id, args.episodes, args.seed, opts, instructions=instructions or None,
-                   video_dir=out.parent / "videos" if args.videos else None, n_videos=args.videos)
+                   video_dir=out.parent / "videos" if args.videos else None, n_videos=args.videos,
+                   allow_unknown=args.allow_unknown)
     results = res.to_dict()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
