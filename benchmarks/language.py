@@ -72,6 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, load_results, machine, md_table, write  # noqa: E402
 
 sys.path.insert(0, str(ROOT))  # `import policies` must find the package, not benchmarks/policies.py
+# nor `import libero` (LIBERO-Goal's P5) this folder's libero.py
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
