@@ -328,7 +328,7 @@ def _check_instruction(client, args: DeployArgs, robot: Any = None) -> str | Non
     robot was sent nothing. So does a policy that needs an instruction on an arm given none (a real arm's
     instruction comes only from --instruction; a simulated suite's from its env)."""
     if not args.instruction:
-        if client.metadata.get("needs_instruction") and getattr(robot, "instruction", None) == "":
+        if client.metadata.get("needs_instruction") and capability(robot, "instruction") == "":
             client.close()
             print("groundflow deploy: the served policy follows an instruction and none was given, no motion "
                   "sent: pass --instruction TEXT", file=sys.stderr, flush=True)

@@ -133,6 +133,10 @@ class RobotCapabilities(Protocol):
     """the task of this episode in a multi-task suite (recordings are filed under it)"""
     env: Any
     """the simulated env (``--robot sim``): its env id and state layout are checked against the policy's"""
+    instruction: str
+    """the instruction a real arm's observations carry (its ``--instruction``; empty: none was given, and a
+    policy that follows instructions is refused before any motion). Absent: each observation carries its
+    own (a simulated suite's task)"""
 
     def reset(self, seed: int | None = None, options: dict | None = None) -> Obs:
         """Start a new episode (a simulated env; ``options`` may name its task). Absent: episodes
@@ -155,7 +159,7 @@ class RobotCapabilities(Protocol):
 
 
 CAPABILITY_DEFAULTS: dict[str, Any] = {"done": False, "success": False, "last_reward": 0.0, "last_info": {},
-                                       "task_id": 0}
+                                       "task_id": 0, "instruction": None}
 """what a driver without one of ``RobotCapabilities``' attributes reads as (an arm: never done, no
 success or reward to report, one task)"""
 
