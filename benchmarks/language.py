@@ -62,6 +62,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -123,17 +125,10 @@ class Args:
     """--part paraphrase: seed of the paraphrase draw (the same for off and on)"""
 
 
-def _suite_colours() -> dict[str, dict]:
-    """What the training env tells a checkpoint's resolver about its scene (``EnvSpec.colours``)."""
-    import envs
-    return {"tabletop": envs.spec("maniskill/TabletopSuite-v1").colours,
-            "kitchen": envs.spec("robosuite/KitchenSuite").colours, "libero_goal": envs.spec("libero/GoalSuite").colours}
-
-
 def load_suites(names: tuple[str, ...]) -> dict[str, dict]:
     """Trained instructions and held-out paraphrases (set A) of each suite, from envs/."""
+    import envs
     out = {}
-    colours = _suite_colours()
     for name in names:
         if name == "tabletop":
             from envs.maniskill.tasks.tabletop import TABLETOP_SUITE
@@ -155,7 +150,8 @@ def load_suites(names: tuple[str, ...]) -> dict[str, dict]:
             tasks = [(t, PARAPHRASES.get(t, ())) for t in texts]
         else:
             raise SystemExit(f"unknown suite {name!r}")
-        out[name] = {"colours": colours.get(name, {}), "instructions": [t for t, _ in tasks],
+        # what the training env tells a checkpoint's resolver about its scene (EnvSpec.colours)
+        out[name] = {"colours": envs.spec(envs.suite_env_id(name)).colours, "instructions": [t for t, _ in tasks],
                      "A": [(p, t) for t, ps in tasks for p in ps], "source": source}
     fixture = json.loads(FIXTURE.read_text())
     for name in names:
@@ -382,28 +378,35 @@ def _suite_ckpt(suite: str) -> Path:
     return RUNS / suite / "ckpt"
 
 
+def _groundflow(*args: str) -> subprocess.Popen:
+    """A ``groundflow`` command, started with one torch thread (as the results were measured)."""
+    print("$", " ".join(args), flush=True)
+    return subprocess.Popen([GROUNDFLOW, *args], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait(*procs: subprocess.Popen) -> None:
+    if any(p.wait() for p in procs):
+        raise SystemExit("a groundflow command failed")
+
+
+def _train(data: list[Path], out: Path, recipe: str, seed: int) -> None:
+    """Train ``recipe`` on ``data`` into ``out`` unless done (a killed run resumes)."""
+    if not (out / "summary.json").exists():
+        _wait(_groundflow("train", "--recipe", recipe, "--data", *map(str, data), "--out", str(out), "--seed",
+                          str(seed), "--no-progress", "--wandb", "disabled",
+                          *(["--resume"] if (out / "train_state.pt").exists() else [])))
+
+
 def train_part(args: Args) -> None:
     """Collect the suite's demos (two processes, one per seed) and train its recommended recipe."""
-    import os
-    import subprocess
     if args.suite not in TRAINING:
         raise SystemExit(f"--part train needs --suite, one of {', '.join(TRAINING)}")
     flags, n, seeds, recipe, _ = TRAINING[args.suite]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     DATA.mkdir(parents=True, exist_ok=True)
     files = [DATA / f"{args.suite}_s{s}.h5" for s in seeds]
-    procs = [subprocess.Popen([GROUNDFLOW, "collect", *flags, "--episodes", str(n), "--seed", str(s), "--out", str(f),
-                               "--no-progress"], cwd=ROOT, env=env)
-             for s, f in zip(seeds, files) if not f.exists()]
-    if any(p.wait() for p in procs):
-        raise SystemExit("a collection failed")
-    out = RUNS / args.suite
-    if not (out / "summary.json").exists():
-        cmd = [GROUNDFLOW, "train", "--recipe", recipe, "--data", *map(str, files), "--out", str(out),
-               "--seed", str(args.seed), "--no-progress", "--wandb", "disabled"]
-        cmd += ["--resume"] if (out / "train_state.pt").exists() else []
-        print("$", " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    _wait(*[_groundflow("collect", *flags, "--episodes", str(n), "--seed", str(s), "--out", str(f), "--no-progress")
+            for s, f in zip(seeds, files) if not f.exists()])
+    _train(files, RUNS / args.suite, recipe, args.seed)
 
 
 HELD_OUT_PAIRS = ("push the red cube to the left goal", "push the blue cube to the right goal")
@@ -414,23 +417,17 @@ HELD_OUT_PAIRS = ("push the red cube to the left goal", "push the blue cube to t
 def compositional_part(args: Args) -> None:
     """Train the tabletop recipe on 10 of its 12 instructions and evaluate the 2 held-out pairings (encoded
     as is: the resolver refuses an untrained combination, ``--allow-unknown`` runs it) beside the 10."""
-    import os
-    import subprocess
-
     import policies
     from envs.maniskill.tasks.tabletop import TABLETOP_SUITE
     from train.evaluate import evaluate
     from envs.metrics import wilson
     seen = [t.instruction for t in TABLETOP_SUITE.tasks if t.instruction not in HELD_OUT_PAIRS]
     data, out = DATA / "tabletop_comp10_s100000.h5", RUNS / "tabletop_comp10"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not data.exists():
-        subprocess.run([GROUNDFLOW, "collect", "--suite", "tabletop", "--layout", "random", "--episodes", "1000",
-                        "--seed", "100000", "--out", str(data), "--no-progress", "--instructions", *seen],
-                       check=True, cwd=ROOT, env=env)
-    if not (out / "summary.json").exists():
-        subprocess.run([GROUNDFLOW, "train", "--recipe", "multitask", "--data", str(data), "--out", str(out),
-                        "--seed", str(args.seed), "--no-progress", "--wandb", "disabled"], check=True, cwd=ROOT, env=env)
+        DATA.mkdir(parents=True, exist_ok=True)
+        _wait(_groundflow("collect", "--suite", "tabletop", "--layout", "random", "--episodes", "1000", "--seed",
+                          "100000", "--out", str(data), "--no-progress", "--instructions", *seen))
+    _train([data], out, "multitask", args.seed)
     torch.set_num_threads(1)
     policy = policies.load(out / "ckpt", to_act=True)
     rows = {}
@@ -467,7 +464,7 @@ def paraphrase_part(args: Args) -> None:
     if args.suite not in TRAINING:
         raise SystemExit(f"--part paraphrase needs --suite, one of {', '.join(TRAINING)}")
     ckpt = Path(args.ckpt) if args.ckpt else _suite_ckpt(args.suite)
-    if not (ckpt / "meta.json").exists() and not ckpt.exists():
+    if not ckpt.exists():
         raise SystemExit(f"no checkpoint at {ckpt}: train it first (--part train --suite {args.suite})")
     torch.set_num_threads(1)
     meta = policies.read_checkpoint_meta(ckpt)

@@ -186,7 +186,7 @@ class ArmGuidance:
                                      "checked chunk is drawn without them (use coupled or particles)")
         for name, lo, hi in (("scale", 0.0, 1e4), ("margin", 0.0, 0.5), ("goal_weight", 0.0, 1e5),
                              ("clearance", 0.0, 0.5), ("cost_spacing", 0.005, 0.5), ("check_spacing", 0.005, 0.5),
-                             ("coast", 0.0, 4.0)):
+                             ("coast", 0.0, 4.0), ("slide_step", 0.001, 0.05)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
                 raise InvalidOptionError(f"settings.{name} must be a number in [{lo:g}, {hi:g}]; got {v!r}")
@@ -196,10 +196,6 @@ class ArmGuidance:
                                      f"got {self.n_steps!r}")
         if self.fallback not in ("hold", "slide"):
             raise InvalidOptionError(f"settings.fallback must be 'hold' or 'slide'; got {self.fallback!r}")
-        if isinstance(self.slide_step, bool) or not isinstance(self.slide_step, (int, float)) \
-                or not 0.001 <= self.slide_step <= 0.05:
-            raise InvalidOptionError(f"settings.slide_step must be a number in [0.001, 0.05] metres; got "
-                                     f"{self.slide_step!r}")
         if self.check.candidates * (1 + self.check.retries) > MAX_DRAWS:
             raise InvalidOptionError(f"settings.check draws at most {MAX_DRAWS} candidates per plan (candidates x "
                                      f"(1 + retries)); got {self.check}")
@@ -351,10 +347,11 @@ def constrained_chunk(policy: Any, obs: dict, c: ArmConstraints) -> ConstrainedC
     guide = guidance.make(s.method, cost=cost, scale=s.scale, **s.options) if s.scale > 0 else None
     feasible = path_check(policy, tcp, c.ee_delta_scale, c.points(s.check_spacing), obstacles, s.clearance,
                           s.coast)
-    x, st = choose_chunk(policy, policy.obs_to_batch(obs), s.check, guide=guide, cost=cost,
-                         n_exec=policy.config.n_exec, feasible=feasible, n_steps=s.n_steps)
+    batch = policy.obs_to_batch(obs)
+    x, st = choose_chunk(policy, batch, s.check, guide=guide, cost=cost, n_exec=policy.config.n_exec,
+                         feasible=feasible, n_steps=s.n_steps)
     if x is None and s.fallback == "slide" and goal is not None:
-        x = _slide(policy, policy.obs_to_batch(obs), tcp, goal, c, feasible)
+        x = _slide(policy, batch, tcp, goal, c, feasible)
     if x is None:
         return ConstrainedChunk(None, f"no chunk kept {100 * s.clearance:.1f} cm from the obstacles "
                                       f"({st.rejected} rejected): hold and plan again", st.nfe, st.rejected)

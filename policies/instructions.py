@@ -737,18 +737,17 @@ class InstructionResolver:
         # a negated clause says what not to do ("push the blue cube, not the red one"): it is set aside,
         # and an instruction that is only negated is refused
         negated = {t.clause for t in toks if t.kind == "neg"}
-        if negated:
-            content = [k for k in content if toks[k].clause not in negated]
-            if not any(self._matches(toks[k]) for k in content):
-                return toks, {}, ("negated instructions ('not', 'never', \"don't\") are not supported; say what the "
-                                  "robot should do"), set()
-        if not content:
-            return toks, {}, f"no instruction words in {text.strip()!r}; {self._known_hint()}", set()
+        content = [k for k in content if toks[k].clause not in negated]
         matches: dict[int, list[tuple[str, float]]] = {}
         for k in content:
             m = self._matches(toks[k])
             if m:
                 matches[k] = m
+        if negated and not matches:
+            return toks, {}, ("negated instructions ('not', 'never', \"don't\") are not supported; say what the "
+                              "robot should do"), set()
+        if not content:
+            return toks, {}, f"no instruction words in {text.strip()!r}; {self._known_hint()}", set()
         content = self._without_framing(toks, content, matches)
         # preparatory clauses: "pick up X and put it ..." where a later clause has a verb
         verbs_by_clause: dict[int, list[int]] = {}
