@@ -49,7 +49,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -1203,6 +1203,32 @@ def _rewrite(words: list[str], rng: np.random.Generator) -> str:
 
 
 
+def _rewrites(words: list[str], rng: np.random.Generator, n: int, avoid: set[str],
+              key: Callable[[str], str] = lambda t: " ".join(_split(t))) -> list[str]:
+    """Up to ``n`` distinct ``_rewrite``s of ``words`` (3n tries), none of whose ``key`` is in ``avoid``."""
+    out: list[str] = []
+    for _ in range(n * 3):
+        if len(out) >= n:
+            break
+        t = _rewrite(words, rng)
+        if t not in out and key(t) not in avoid:
+            out.append(t)
+    return out
+
+
+def training_wordings(instructions: Sequence[str], *, per_instruction: int = 48, seed: int = 0,
+                      exclude: Iterable[str] = ()) -> dict[str, list[str]]:
+    """Paraphrase augmentation for training: {instruction: grammar-made rewrites}, the generic rewrites
+    ``calibration_set`` draws its positives from (synonyms from the table, polite and terse forms, fronted
+    destinations, relative clauses, "-hand", elliptical "one", typos). None is a trained instruction or,
+    word for word, one of ``exclude`` (the suites' held-out wordings: evaluation stays on unseen text)."""
+    def key(t: str) -> str:  # the words, whatever the case and punctuation
+        return " ".join(w for w in _split(t) if w != ",")
+    rng = np.random.default_rng(seed)
+    avoid = {key(t) for t in [*instructions, *exclude]}
+    return {s: _rewrites(_split(s), rng, per_instruction, avoid, key) for s in instructions}
+
+
 def calibration_set(instructions: Sequence[str], *, others: Sequence[str] = (), seed: int = 0,
                     per_instruction: int = 24) -> dict[str, list[tuple[str, Any]]]:
     """Generated wordings: ``positive`` [(text, index of the trained instruction it means)] made by
@@ -1217,14 +1243,7 @@ def calibration_set(instructions: Sequence[str], *, others: Sequence[str] = (), 
     trained_set = {" ".join(p) for p in parsed}
 
     for i, p in enumerate(parsed):
-        seen = set()
-        for _ in range(per_instruction * 3):
-            if len(seen) >= per_instruction:
-                break
-            t = _rewrite(p, rng)
-            if t not in seen and " ".join(_split(t)) not in trained_set - {" ".join(p)}:
-                seen.add(t)
-                pos.append((t, i))
+        pos += [(t, i) for t in _rewrites(p, rng, per_instruction, trained_set - {" ".join(p)})]
     neg = _generated_negatives(parsed, others, rng)
     return {"positive": pos, "negative": sorted(set(neg), key=lambda x: (x[1], x[0]))}
 

@@ -286,6 +286,9 @@ class LanguageEncoder:
         self._held: dict[str, int] = {}
         self.remote: EncoderProcess | None = None
         """where new instructions are encoded when set (a server's child process); else here"""
+        self.augment: dict[str, torch.Tensor] = {}
+        """training-only wordings (paraphrase augmentation, ``add_augment``): read like cached ones, never
+        part of the vocabulary, never saved in a checkpoint"""
 
     def serve(self, max_extra: int) -> "LanguageEncoder":
         """Pin the instructions held now (a checkpoint's), keep at most ``max_extra`` others (LRU),
@@ -345,6 +348,7 @@ class LanguageEncoder:
         not re-read from the cache, since another thread may evict an LRU entry meanwhile."""
         with _CACHE_LOCK:
             have = {t: self.cache[t] for t in set(texts) if t in self.cache}
+            have.update({t: self.augment[t] for t in set(texts) - set(have) if t in self.augment})
             for t in have:
                 if t in self._recent:
                     self._recent.move_to_end(t)
@@ -408,6 +412,18 @@ class LanguageEncoder:
 
     def warm(self, texts: list[str]) -> None:
         self._features(texts)
+
+    def add_augment(self, texts: list[str]) -> None:
+        """Encode training-only ``texts`` into ``augment`` (the disk cache serves them as any other); a
+        text already in the vocabulary stays there."""
+        with _CACHE_LOCK:
+            vocabulary = set(self.cache)
+        got = self._features(texts)
+        with _CACHE_LOCK:
+            for t in texts:
+                if t not in vocabulary:
+                    self.cache.pop(t, None)
+                    self.augment[t] = got[t]
 
     def knows(self, text: str) -> bool:
         """Whether ``text`` is cached now (a server asks before it decides to encode)."""

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 import policies
 from dataset.files import disk_full_errno, disk_full_error, hold_directory
-from envs import list_envs, make as make_env, spec as env_spec
+from envs import held_out_wordings, list_envs, make as make_env, spec as env_spec
 from envs import is_proprio, state_indices, state_slices
 from envs.errors import CheckpointError, GroundflowError, InvalidOptionError
 from policies import PolicyConfig, make_policy
@@ -120,6 +120,15 @@ class TrainArgs:
     0.86 with no noise, README): kept for other suites to measure, not recommended"""
     lang_norm: bool = _MODEL.lang_norm
     """centre and scale instruction features on the training instructions (see PolicyConfig.lang_norm)"""
+    lang_tokens: Literal["pooled", "tokens"] = _MODEL.lang_tokens
+    """pooled: the instruction is one sentence feature; tokens: MiniLM's token features (up to 16), which
+    the state and action tokens attend to (token-level conditioning; see PolicyConfig.lang_tokens)"""
+    paraphrase_augment: float = 0.0
+    """probability that a sample trains on a grammar-made rewrite of its instruction instead of the
+    instruction itself (policies.instructions.training_wordings: synonyms, polite and terse forms, word
+    order, typos; never one of the suite's held-out wordings); 0: the demos' instructions only"""
+    paraphrases_per_instruction: int = 48
+    """--paraphrase-augment: rewrites made per trained instruction (seeded by --seed)"""
     steps: int = 2000
     batch_size: int = 64
     """global batch size (split across data-parallel ranks)"""
@@ -160,7 +169,7 @@ class TrainArgs:
 
 MODEL_FIELDS = ("data", "policy", "size", "horizon", "n_exec", "cameras", "image_size", "vision", "vision_frozen",
                 "image_shift", "image_jitter", "image_pool", "aux_state_weight", "fusion", "state_hidden",
-                "lang_norm", "ignore_state", "estimate_state", "estimate_noise", "estimate_noise_from",
+                "lang_norm", "lang_tokens", "ignore_state", "estimate_state", "estimate_noise", "estimate_noise_from",
                 "estimator_channels", "estimator_keypoints",
                 "relative_state", "n_bins", "bin_sigma", "instruction_dropout", "seed")
 
@@ -305,7 +314,8 @@ def _build_policy(args: TrainArgs, data: ChunkData) -> Any:
                            image_pool=args.image_pool, image_jitter=args.image_jitter,
                            aux_state_weight=args.aux_state_weight, fusion=args.fusion,
                            state_hidden=args.state_hidden,
-                           lang_norm=args.lang_norm, instruction_dropout=args.instruction_dropout,
+                           lang_norm=args.lang_norm, lang_tokens=args.lang_tokens,
+                           instruction_dropout=args.instruction_dropout,
                            cfg_scale=args.cfg_scale, n_bins=args.n_bins, bin_sigma=args.bin_sigma,
                            state_ignore=tuple(_state_ignore(args.ignore_state + args.estimate_state, data)),
                            estimated_state=tuple(_state_ignore(args.estimate_state, data)),
@@ -398,10 +408,12 @@ def _check_args(args: TrainArgs) -> None:
 
 
 def _draw_batch(data: ChunkData, args: TrainArgs, gen: torch.Generator, rank: int, world: int,
-                instruction_dropout: float, cache: FeatureCache | None = None) -> dict[str, Any]:
+                instruction_dropout: float, cache: FeatureCache | None = None,
+                wordings: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """This rank's slice of one global batch: every rank draws the randomness of the whole batch
-    from the same generator (indices, flow times, noise, instruction drops, in that order); with a
-    ``cache``, the frames' cached trunk maps in place of their images."""
+    from the same generator (indices, flow times, noise, instruction drops, in that order, then the
+    paraphrase draws with ``wordings``); with a ``cache``, the frames' cached trunk maps in place of
+    their images."""
     per = args.batch_size // world
     g_idx = torch.randint(len(data), (args.batch_size,), generator=gen).numpy()
     g_t = torch.rand(args.batch_size, generator=gen)
@@ -410,7 +422,29 @@ def _draw_batch(data: ChunkData, args: TrainArgs, gen: torch.Generator, rank: in
     sl = slice(rank * per, (rank + 1) * per)
     batch = data.batch(g_idx[sl]) if cache is None else data.batch(g_idx[sl], images=False)  # maps stand in
     batch.update(flow_t=g_t[sl], flow_noise=g_noise[sl], drop_lang=g_drop[sl])
+    if wordings:  # drawn last, so that a run without augmentation draws what it always drew
+        g_aug = (torch.rand(args.batch_size, generator=gen) < args.paraphrase_augment)[sl].tolist()
+        g_pick = torch.randint(1 << 30, (args.batch_size,), generator=gen)[sl].tolist()
+        batch["instruction"] = [wordings[t][k % len(wordings[t])] if a and wordings.get(t) else t
+                                for t, a, k in zip(batch["instruction"], g_aug, g_pick)]
     return batch if cache is None else cache.attach(batch)
+
+
+def _training_wordings(args: TrainArgs, data: ChunkData, policy: Any) -> dict[str, list[str]] | None:
+    """--paraphrase-augment's rewrites of each trained instruction, encoded as training-only wordings
+    (never the checkpoint's vocabulary); the data's suite's held-out wordings are kept out."""
+    if not args.paraphrase_augment:
+        return None
+    if not 0 < args.paraphrase_augment <= 1:
+        raise InvalidOptionError(f"--paraphrase-augment {args.paraphrase_augment}: a probability in (0, 1]")
+    if args.paraphrases_per_instruction < 1:
+        raise InvalidOptionError(f"--paraphrases-per-instruction {args.paraphrases_per_instruction}: at least 1")
+    from policies.instructions import training_wordings
+    texts = sorted(set(data.instructions) - {NULL_INSTRUCTION})
+    table = training_wordings(texts, per_instruction=args.paraphrases_per_instruction, seed=args.seed,
+                              exclude=held_out_wordings(data.env_id) if data.env_id else ())
+    policy.lang.add_augment(sorted({w for ws in table.values() for w in ws}))
+    return table
 
 
 def _diverged(loss: torch.Tensor, step: int, batch: dict[str, Any], data: ChunkData, args: TrainArgs,
@@ -456,6 +490,7 @@ def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, 
         raise InvalidOptionError(f"--horizon {args.horizon} is longer than the longest episode in "
                                  f"{[str(p) for p in args.data]} ({longest} steps); use --horizon <= {longest}")
     policy = _build_policy(args, data)
+    wordings = _training_wordings(args, data, policy)
     cig = CIGObjective(policy, data, args.cig, seed=args.seed) if args.cig.weight > 0 else None
     policy.to(device)
     cache = build_feature_cache(policy, data, device, args.progress and rank == 0) if args.vision_cache else None
@@ -494,7 +529,7 @@ def _train(args: TrainArgs, on_step: Callable[[int], None] | None) -> dict[str, 
     summary: dict[str, Any] = {"vision_cache": cache.stats()} if cache is not None else {}
     policy.train()
     while step < args.steps:
-        batch = _draw_batch(data, args, gen, rank, world, policy.config.instruction_dropout, cache)
+        batch = _draw_batch(data, args, gen, rank, world, policy.config.instruction_dropout, cache, wordings)
         for group in opt.param_groups:
             group["lr"] = _lr(step, args)
         aux = None
