@@ -96,11 +96,15 @@ end part corner edge workspace area spot location there here me yourself somewhe
 claw air""".split())
 # "area/spot/location" are also places; a suite that trains one of them grounds it
 _SUBJECTS = frozenset("you we i u someone they".split())
-PACKAGING = frozenset("box package packet carton pack tub bag wrapper jar container".split())
-"""heads that name a grounded noun's packaging or region ("the cream cheese box"): allowed when the
-phrase holds a grounded noun, where any other unknown head ("the wine glass") is refused"""
+PACKAGING = frozenset("box package packet carton pack tub bag wrapper jar container knob dial handle".split())
+"""heads that name a grounded noun's packaging or a part a hand works it by ("the cream cheese box", "the
+stove knob"): allowed when the phrase holds a grounded noun, where any other unknown head ("the wine glass")
+is refused"""
 HYPERNYM_VERBS = frozenset("move go get bring carry transfer shift relocate send take put_it".split())
 ACQUIRE_VERBS = frozenset("pick_up pick lift raise grab grasp take hold seize collect get fetch".split())
+PREPARATORY_VERBS = frozenset("find locate approach reach".split())
+"""verbs of a clause that only readies what a later clause does ("find the blue cube and push it ..."),
+as an acquiring verb does ("pick up the red cube and put it ...")"""
 PHRASAL = {  # (verb, particle) -> one token: the particle changes what is asked
     ("turn", "on"): "turn_on", ("turn", "off"): "turn_off", ("switch", "on"): "switch_on",
     ("switch", "off"): "switch_off", ("power", "on"): "power_on", ("power", "off"): "power_off",
@@ -114,7 +118,7 @@ IDIOMS = [  # token sequence -> replacement (and the word it implies, kept as an
     (("next", "to"), ("beside",), None), (("so", "that"), (",",), None), (("in", "order", "to"), (",",), None),
     (("left", "hand"), ("left",), None), (("right", "hand"), ("right",), None), (("go", "ahead", "and"), (",",), None),
     (("a", "bit"), (), None), (("a", "little"), (), None), (("a", "lot"), (), None), (("make", "sure"), (), None),
-    (("at", "the", "end"), (), None),
+    (("at", "the", "end"), (), None), (("to", "on"), ("on",), None), (("to", "off"), ("off",), None),  # "turn X to on"
     # compounds whose head would read as another noun ("trash can": a bin, not a can)
     *(((a, b), ("bin",), None) for a in ("trash", "garbage", "rubbish", "waste", "litter", "recycling")
       for b in ("can", "bin", "basket")),
@@ -138,7 +142,7 @@ SYNONYM_GROUPS: tuple[frozenset[str], ...] = tuple(frozenset(g.split()) for g in
     "plate dish platter saucer",
     "bin basket bucket container trash wastebasket tub garbage rubbish trashcan dustbin wastebin",
     "bowl basin",
-    "stove cooker cooktop hob range burner",
+    "stove cooker cooktop stovetop hob range burner",
     "cabinet cupboard",
     "rack stand holder",
     "bottle flask",
@@ -158,6 +162,12 @@ SYNONYM_GROUPS: tuple[frozenset[str], ...] = tuple(frozenset(g.split()) for g in
     "front fore",
     "back rear",
 ))
+STATE_VERBS = frozenset("sit rest lie lying stand belong stay remain".split())
+"""verbs that say where a named object should end up ("I'd like the red cube sitting on the plate", "the
+can belongs in the bin"): between an object and a destination they add nothing the phrases do not say"""
+SUBORDINATORS = frozenset("when if once as after before while since".split())
+"""open a clause about the user's time or convenience ("when you get a chance, ..."): a framing clause
+when it grounds nothing and its subject is the listener or the speaker"""
 ANTONYM_PAIRS = (("open", "close"), ("turn_on", "turn_off"), ("push", "pull"),
                  ("left", "right"), ("top", "bottom"), ("front", "back"), ("upper", "lower"), ("lift", "lower"),
                  ("raise", "lower"), ("stack", "unstack"), ("in", "out"), ("on", "off"),
@@ -177,7 +187,9 @@ def lexicon_digest(synonyms: bool = True) -> str:
     parts = [sorted(DETERMINERS), sorted(PRONOUNS), sorted(RELATIVIZERS), sorted(PREP_ROLE.items(), key=str),
              sorted(PARTICLES), sorted(BOUNDARIES), sorted(NEGATIONS), sorted(FILLERS), sorted(COLOURS),
              sorted(SPATIAL), sorted(GENERIC_NOUNS), sorted(HYPERNYM_VERBS), sorted(ACQUIRE_VERBS),
-             sorted(PHRASAL.items()), [list(map(str, i)) for i in IDIOMS], ANTONYM_PAIRS,
+             sorted(PREPARATORY_VERBS),
+             sorted(PHRASAL.items()), [list(map(str, i)) for i in IDIOMS], ANTONYM_PAIRS, sorted(STATE_VERBS),
+             sorted(SUBORDINATORS),
              [sorted(g) for g in SYNONYM_GROUPS] if synonyms else []]
     return hashlib.sha256(json.dumps([RESOLVER_VERSION, parts], default=list).encode()).hexdigest()[:16]
 
@@ -386,7 +398,7 @@ def parse(text: str, lex: Lexicon) -> list[Token]:
 
 def _tokens(text: str, lex: Lexicon) -> list[Token]:
     """Words (idioms replaced) with their function kind, content words normalised."""
-    words = _split(text)
+    words = [p for w in _split(text) for p in _compound_parts(w, lex)]
     # idioms
     out: list[tuple[str, bool]] = []
     i = 0
@@ -419,7 +431,43 @@ def _tokens(text: str, lex: Lexicon) -> list[Token]:
             toks.append(Token(n, w, kind, implied=implied))
         else:
             toks.append(Token(w, w, kind, implied=implied))
+    _state_verbs(toks, lex)
     return toks
+
+
+_JOINED_PHRASAL = {v + p: [v, p] for v, p in PHRASAL}
+
+
+def _compound_parts(w: str, lex: Lexicon) -> list[str]:
+    """A word typed as two ("pickup", "stovetop", "redcube"): its two known parts; else [w]. Only a
+    phrasal verb written as one word, or a word that is neither English nor known nor a typo of a known
+    word, whose two parts (3+ letters each) the lexicon knows."""
+    if w in _JOINED_PHRASAL:
+        return _JOINED_PHRASAL[w]
+    if len(w) < 6 or lex.known(w) or w in english_words() or lex.normalise(w) != w:
+        return [w]
+    for i in range(3, len(w) - 2):
+        a, b = w[:i], w[i:]
+        if lex.known(a) and a not in lex.function_words and any(lex.known(x) for x in _lemmas(b)):
+            return [a, b]
+    return [w]
+
+
+def _state_verbs(toks: list[Token], lex: Lexicon) -> None:
+    """A state verb between a named object and a destination ("the red cube sitting on the blue one")
+    says nothing the phrases do not: it is read as a filler."""
+    for j, t in enumerate(toks):
+        if t.kind != "content" or lex.word_class(t.word) or not set(_lemmas(t.raw)) & STATE_VERBS:
+            continue
+        before = []
+        for u in reversed(toks[:j]):
+            if u.kind == "boundary":
+                break
+            before.append(u)
+        nxt = next((u for u in toks[j + 1:] if u.kind != "filler"), None)
+        if any(u.kind == "content" and lex.word_class(u.word) for u in before) and nxt is not None \
+                and nxt.kind == "prep" and PREP_ROLE.get(nxt.word) == "dest":
+            t.kind = "filler"
 
 
 def _particles_and_phrasals(toks: list[Token], lex: Lexicon) -> None:
@@ -545,6 +593,15 @@ def _prev_phrase_prep(toks: list[Token], t: Token) -> bool:
         if u.kind in ("boundary", "rel", "pron", "particle") or (u.kind == "content" and u.pos == "verb"):
             return False
     return False
+
+
+def _about_the_user(toks: list[Token], c: int) -> bool:
+    """Whether clause ``c`` is a subordinate clause whose subject is the listener or the speaker
+    ("when you get a chance", "if we have time")."""
+    first = next((k for k, t in enumerate(toks) if t.clause == c and t.kind != "boundary"), None)
+    if first is None or first == 0 or toks[first - 1].kind != "boundary":
+        return False
+    return toks[first - 1].word in SUBORDINATORS and toks[first].raw in _SUBJECTS
 
 
 def _prev_kind(toks: list[Token], t: Token) -> str | None:
@@ -743,6 +800,12 @@ class InstructionResolver:
             m = self._matches(toks[k])
             if m:
                 matches[k] = m
+        for k in content:  # an English word one letter off a trained colour or place ("the blu cube")
+            if k not in matches and toks[k].pos == "mod" and not self.lex.known(toks[k].word):
+                near = [w for w in self.lex.colours + self.lex.spatial if len(toks[k].word) >= 3
+                        and damerau(toks[k].word, w, 2) == 1]
+                if len(near) == 1:
+                    matches[k] = [(near[0], REFERENT_QUALITY)]
         if negated and not matches:
             return toks, {}, ("negated instructions ('not', 'never', \"don't\") are not supported; say what the "
                               "robot should do"), set()
@@ -759,7 +822,7 @@ class InstructionResolver:
         for ci, c in enumerate(clauses[:-1]):
             for k in verbs_by_clause[c]:
                 w = toks[k].word
-                if w in ACQUIRE_VERBS or any(w in g and g & ACQUIRE_VERBS for g in SYNONYM_GROUPS):
+                if w in ACQUIRE_VERBS | PREPARATORY_VERBS or any(w in g and g & ACQUIRE_VERBS for g in SYNONYM_GROUPS):
                     exempt.add(k)
         # "... until it sits on the mark", "so that it rests on ...": a pronoun's verb says the end state
         exempt |= {k for k in content if toks[k].pos == "verb" and _prev_kind(toks, toks[k]) == "pron"}
@@ -847,14 +910,15 @@ class InstructionResolver:
         """``content`` without the clauses that frame a request instead of making one ("would you be so
         kind as to ...", "..., cheers", "I think"): no noun, no pronoun and no grounded word, beside a
         clause that grounds one."""
-        grounded = {toks[k].clause for k in matches}
+        grounded = {toks[k].clause for k in matches if toks[k].word not in HYPERNYM_VERBS}  # "get" grounds no clause
         if not grounded:
             return content
         framing = set()
         for c in {toks[k].clause for k in content} - grounded:
             words = [k for k in content if toks[k].clause == c]
-            if not any(toks[k].pos == "head" for k in words) and not any(
-                    t.kind == "pron" and t.clause == c for t in toks):
+            if any(t.kind == "pron" and t.clause == c for t in toks):
+                continue
+            if not any(toks[k].pos == "head" for k in words) or _about_the_user(toks, c):
                 framing.add(c)
         return [k for k in content if toks[k].clause not in framing]
 

@@ -143,6 +143,32 @@ def test_framing_negated_and_result_clauses_are_set_aside(resolvers, name, text,
     assert res.instruction == want, res.reason
 
 
+@pytest.mark.parametrize("name,text,want", [
+    ("tabletop", "pickup the green block", "pick up the green cube"),  # a phrasal verb typed as one word
+    ("kitchen", "put the redcube on the plate", "put the red cube on the plate"),  # two known words run together
+    ("kitchen", "I'd love the blue cube resting on the plate", "put the blue cube on the plate"),  # the end state
+    ("libero_goal", "the wine bottle belongs on the rack", "put the wine bottle on the rack"),
+    ("kitchen", "if you have a moment, put the green can in the bin", "put the green can in the bin"),
+    ("tabletop", "push the blur cube to the left goal", "push the blue cube to the left goal"),  # one letter off
+    ("kitchen", "find the green can and put it on the plate", "put the green can on the plate"),
+    ("libero_goal", "switch the stove dial to on", "turn on the stove"),  # a part a hand works it by
+])
+def test_how_people_type_and_say_it(resolvers, name, text, want):
+    res = resolvers[name].resolve(text)
+    assert res.instruction == want, res.reason
+
+
+@pytest.mark.parametrize("name,text,words", [
+    ("tabletop", "I'd like the red cube sitting", ("sitting",)),  # no destination: no end state
+    ("tabletop", "when you get a chance", ("chance",)),  # only the framing
+    ("tabletop", "push the bled cube to the left goal", ("ambiguous",)),  # two letters from any colour
+    ("libero_goal", "turn the cabinet handle to on", ("cabinet",)),
+])
+def test_how_people_type_it_does_not_let_through(resolvers, name, text, words):
+    res = resolvers[name].resolve(text)
+    assert not res.ok and all(w in res.reason for w in words), res.reason
+
+
 def test_other_suites_and_off_task_requests_are_refused(resolvers):
     for name, r in resolvers.items():
         others = [t for n, o in resolvers.items() if n != name for t in o.instructions]
