@@ -26,13 +26,14 @@ def two_picks(tmp_path_factory):
     return out
 
 
-def _target_cube(policy, env, seed: int, instruction: str, max_steps: int = 14) -> int:
-    """The cube nearest the gripper (in the table plane) when it first closes, or after max_steps."""
+def _target_cube(policy, env, seed: int, instruction: str, max_steps: int = 14, said: str | None = None) -> int:
+    """The cube nearest the gripper (in the table plane) when it first closes, or after max_steps;
+    ``said``: what the policy is told instead of the env's instruction (a user's own wording)."""
     obs, _ = env.reset(seed=seed, options={"instruction": instruction})
     policy.reset()
     raw = env.raw
     for _ in range(max_steps):
-        a = policy.select_action(obs)
+        a = policy.select_action(obs if said is None else {**obs, "instruction": said})
         obs, _, _, _, info = env.step(a)
         if a[3] < 0 or info["success"]:
             break
@@ -59,6 +60,25 @@ def test_tiny_policy_goes_for_the_commanded_cube(pick_ckpt):
     env.close()
     # chance: 1/3 (three cubes), 1/2 if it only learned "one of the two demonstrated cubes"
     assert hits / n >= 0.8, f"went for the commanded cube in {hits}/{n} episodes"
+
+
+def test_tiny_policy_goes_for_the_cube_a_users_own_wording_names(pick_ckpt):
+    """The same policy commanded in words it never saw: the checkpoint's resolver maps them to the
+    trained instruction, as eval, serve and deploy do (train.protocols.ResolvingPolicy)."""
+    from train.protocols import ResolvingPolicy
+    wordings = {"could you lift the scarlet brick": 0, "grab the crimson block, thanks": 0,
+                "pickup the navy box": 2, "I'd like the cube that is blue raised up please": 2}
+    policy = ResolvingPolicy(policies.load(pick_ckpt))
+    env = envs.make("maniskill/TabletopSuite-v1", layout="random")
+    hits = n = 0
+    for seed in range(7100, 7104):
+        for text, cube in wordings.items():
+            hits += _target_cube(policy, env, seed, PICK[cube // 2], said=text) == cube
+            n += 1
+    env.close()
+    assert policy.refused_episodes == 0, policy.refused
+    assert sorted(set(policy.resolved.values())) == sorted(PICK)
+    assert hits / n >= 0.8, f"went for the named cube in {hits}/{n} episodes"  # chance: 1/3
 
 
 def test_unknown_recipe_is_named():
