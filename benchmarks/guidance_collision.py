@@ -110,6 +110,10 @@ class Args:
     """rewrite the table, the recommendation and the plot from guidance.json (no rollouts)"""
     keep_other_rows: bool = False
     """keep the results of methods not run now (a partial rerun, e.g. after a default changed)"""
+    goal_clearance: bool = False
+    """only how much room each episode's goal leaves the hand (its collision boxes with the TCP at the goal,
+    against the check's clearance and the arm rows' cost margin), and the recommended row's success by that
+    room, on --final-episodes from --final-seed: writes ``collision_goal_clearance``"""
     deploy_episodes: int = 0
     """> 0: only the deploy stack. `groundflow serve` serves the trained policy, and `evaluate_via_server`
     drives the simulated arm through the client, control loop and safety layer. After each reset the
@@ -140,6 +144,8 @@ def main() -> None:
     pol = policies.load(out / "ckpt")
     if a.deploy_episodes > 0:
         return _deploy(a, out / "ckpt")
+    if a.goal_clearance:
+        return _goal_clearance(a, pol)
     if a.final_seed != FINAL_SEED:
         return _recheck(a, pol)
     t0 = time.time()
@@ -228,6 +234,41 @@ def _recheck(a: Args, pol: Any) -> None:
         print(f"{m}@{a.final_seed}: success {r['success_rate']:.2f} {r['success_ci95']}, collisions "
               f"{r['collision_rate']:.2f} {r['collision_ci95']}, holds {r.get('hold_rate', 0):.2f}", flush=True)
     merge_json(RESULTS / "guidance.json", {"collision_rechecks": checks})
+
+
+def _goal_clearance(a: Args, pol: Any) -> None:
+    """Where the recommended row fails: success by the clearance the goal leaves the hand's collision boxes
+    (the check's spacing), each episode run alone (the same episode as in the table: reset and sampler
+    seeded per episode)."""
+    import envs
+    from train.guided_eval import CHECK_SPACING, obstacles_of
+    old = json.loads((RESULTS / "guidance.json").read_text())
+    name = old["collision"]["recommended"]
+    row, scale = CONFIGS[name], float(old["collision"][name]["scale"])
+    env = envs.make(ENV, obstacles="random")
+    margin, goal_weight = _weights(a, row)
+    eps = []
+    for seed in tqdm(range(a.final_seed, a.final_seed + a.final_episodes), desc="goal clearance"):
+        env.reset(seed=seed)
+        pts = torch.as_tensor(np.asarray(env.raw.body_points(CHECK_SPACING)), dtype=torch.float32)
+        goal = torch.as_tensor(np.asarray(env.raw.tcp_and_goal()[1]), dtype=torch.float32)
+        room = min(float(o.sdf(pts + goal).min()) for o in obstacles_of(env.raw))
+        r = evaluate_collision(pol, row.method, scale, 1, seed=seed, options=row.options, body=row.body, margin=margin,
+                               goal_weight=goal_weight, check=row.check, n_steps=row.n_steps, env=env)
+        eps.append({"seed": seed, "room_m": room, "success": bool(r["success_rate"]), "collided": bool(r["collision_rate"])})
+    env.close()
+    bins = {"inside": (-1.0, 0.0), "under_check_clearance": (0.0, CHECK_CLEARANCE),
+            "under_cost_margin": (CHECK_CLEARANCE, ARM["margin"]), "clear": (ARM["margin"], 1.0)}
+    out = {"row": name, "scale": scale, "episodes": len(eps), "check_clearance_m": CHECK_CLEARANCE,
+           "cost_margin_m": ARM["margin"], "success_rate": float(np.mean([e["success"] for e in eps])), "by_room": {}}
+    for b, (lo, hi) in bins.items():
+        sel = [e for e in eps if lo <= e["room_m"] < hi]
+        out["by_room"][b] = {"episodes": len(sel), "successes": sum(e["success"] for e in sel),
+                             "success_rate": float(np.mean([e["success"] for e in sel])) if sel else None}
+        print(f"{b}: {len(sel)} episodes, {sum(e['success'] for e in sel)} succeed", flush=True)
+    out["per_episode"] = eps
+    old_rooms = old.get("collision_goal_clearance", {})
+    merge_json(RESULTS / "guidance.json", {"collision_goal_clearance": {**old_rooms, str(a.final_seed): out}})
 
 
 def _deploy(a: Args, ckpt: Path) -> None:
