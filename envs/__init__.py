@@ -92,22 +92,7 @@ def suite_env_id(name: str) -> str:
     raise UnknownEnvError(f"unknown suite {name!r}; valid suites: {', '.join(SUITES)}")
 
 
-def held_out_wordings(env_id: str) -> list[str]:
-    """The held-out paraphrases of a suite env's instructions (what P5 and benchmarks/language.py
-    command it with), so that training can keep them out of anything it generates; [] for other envs."""
-    if env_id == SUITES["tabletop"]:
-        from envs.maniskill.tasks.tabletop import TABLETOP_SUITE
-        return [p for t in TABLETOP_SUITE.tasks for p in t.paraphrases]
-    if env_id == SUITES["kitchen"]:
-        from envs.robosuite.kitchen import TASKS
-        return [p for t in TASKS for p in t.paraphrases]
-    if env_id == SUITES["libero_goal"] or env_id.startswith("libero/goal-"):
-        from envs.libero.env import PARAPHRASES
-        return [p for ps in PARAPHRASES.values() for p in ps]
-    return []
-
-
 __all__ = ["GroundflowEnv", "check_action", "make", "register", "spec", "list_envs", "Expert",
-           "make_expert", "Suite", "Task", "SUITES", "suite_env_id", "held_out_wordings", "GroundflowError",
+           "make_expert", "Suite", "Task", "SUITES", "suite_env_id", "GroundflowError",
            "InstructionError", "InvalidActionError", "InvalidStateError", "InvalidOptionError", "MissingAssetsError",
            "UnknownEnvError"]

@@ -800,12 +800,7 @@ class InstructionResolver:
             m = self._matches(toks[k])
             if m:
                 matches[k] = m
-        for k in content:  # an English word one letter off a trained colour or place ("the blu cube")
-            if k not in matches and toks[k].pos == "mod" and not self.lex.known(toks[k].word):
-                near = [w for w in self.lex.colours + self.lex.spatial if len(toks[k].word) >= 3
-                        and damerau(toks[k].word, w, 2) == 1]
-                if len(near) == 1:
-                    matches[k] = [(near[0], REFERENT_QUALITY)]
+        self._one_letter_off(toks, content, matches)
         if negated and not matches:
             return toks, {}, ("negated instructions ('not', 'never', \"don't\") are not supported; say what the "
                               "robot should do"), set()
@@ -904,6 +899,17 @@ class InstructionResolver:
         if pron is not None and not objects:
             return toks, matches, f"'{pron.raw}' does not say which object; name it", exempt
         return toks, matches, None, exempt
+
+    def _one_letter_off(self, toks: list[Token], content: list[int],
+                        matches: dict[int, list[tuple[str, float]]]) -> None:
+        """An English word one letter off exactly one trained colour or place, as a modifier, read as that
+        word ("the blur cube"): the typo correction leaves English words alone."""
+        for k in content:
+            w = toks[k].word
+            if k not in matches and toks[k].pos == "mod" and not self.lex.known(w) and len(w) >= 3:
+                near = [c for c in self.lex.colours + self.lex.spatial if damerau(w, c, 2) == 1]
+                if len(near) == 1:
+                    matches[k] = [(near[0], REFERENT_QUALITY)]
 
     def _without_framing(self, toks: list[Token], content: list[int],
                          matches: dict[int, list[tuple[str, float]]]) -> list[int]:

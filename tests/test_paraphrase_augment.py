@@ -12,6 +12,7 @@ import torch
 
 import envs
 from envs.errors import InvalidOptionError
+from envs.wordings import held_out_wordings
 from policies.instructions import _split, training_wordings
 from policies.model import RESOLVER_KEY
 from train.bc import _draw_batch, train
@@ -26,7 +27,7 @@ ENV = "maniskill/TabletopSuite-v1"
 def test_rewrites_are_neither_trained_instructions_nor_held_out_wordings():
     from envs.maniskill.tasks.tabletop import TABLETOP_SUITE
     trained = [t.instruction for t in TABLETOP_SUITE.tasks]
-    held_out = envs.held_out_wordings(ENV)
+    held_out = held_out_wordings(ENV)
     assert held_out, "the tabletop suite has held-out paraphrases"
     table = training_wordings(trained, per_instruction=48, seed=0, exclude=held_out)
     words = lambda t: " ".join(w for w in _split(t) if w != ",")  # noqa: E731

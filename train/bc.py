@@ -33,9 +33,10 @@ from tqdm import tqdm
 
 import policies
 from dataset.files import disk_full_errno, disk_full_error, hold_directory
-from envs import held_out_wordings, list_envs, make as make_env, spec as env_spec
+from envs import list_envs, make as make_env, spec as env_spec
 from envs import is_proprio, state_indices, state_slices
 from envs.errors import CheckpointError, GroundflowError, InvalidOptionError
+from envs.wordings import held_out_wordings
 from policies import PolicyConfig, make_policy
 from policies.config import ImagePool, VisionBackbone
 from policies.model import NULL_INSTRUCTION, RESOLVER_KEY, check_vocabulary, fit_instruction_resolver
