@@ -96,6 +96,14 @@ TRAINING = {  # suite -> (collect flags, demos per file, file seeds, recipe, P5 
 }
 """the recommended recipe per suite, on the demos its benchmark measured it with (grounding: 1200 / 600
 random-layout demos; LIBERO-Goal: 500 DART demos from fresh placements, evaluated on LIBERO's init states)"""
+CONDITIONING = {  # name -> train flags beside the recipe's (pooled MiniLM + lang_norm, early fusion)
+    "pooled": (),
+    "tokens": ("--lang-tokens", "tokens"),  # the action and state tokens attend to MiniLM's token features
+    "augment": ("--paraphrase-augment", "0.5"),  # half the samples on a grammar-made rewrite of their instruction
+    "tokens+augment": ("--lang-tokens", "tokens", "--paraphrase-augment", "0.5"),
+}
+"""item 4's training-side comparison: each on the same demos, seed and P5 episodes (MiniLM is the only
+sentence encoder whose weights ship in a package this machine's registries hold)"""
 CORE_KINDS = ("unknown_colour", "unknown_object", "unknown_verb", "gibberish", "empty", "other_suite", "off_task")
 EXTRA_KINDS = ("untrained_combination", "underspecified")
 
@@ -115,6 +123,9 @@ class Args:
     paraphrase: P5 of a checkpoint with the resolver off and on"""
     suite: str | None = None
     """--part train / paraphrase: the suite (default checkpoint: the train part's)"""
+    conditioning: str = "pooled"
+    """--part train / paraphrase: how the policy reads the instruction (CONDITIONING: pooled, tokens, augment,
+    tokens+augment); the recipe's own is pooled"""
     ckpt: str | None = None
     """--part paraphrase: a trained multi-instruction checkpoint (default: the train part's of --suite)"""
     episodes: int = 48
@@ -374,8 +385,10 @@ def evaluate(d: Decider, suite: dict) -> dict:
     return out
 
 
-def _suite_ckpt(suite: str) -> Path:
-    return RUNS / suite / "ckpt"
+def _suite_run(suite: str, conditioning: str = "pooled") -> Path:
+    if conditioning not in CONDITIONING:
+        raise SystemExit(f"--conditioning {conditioning!r}: one of {', '.join(CONDITIONING)}")
+    return RUNS / (suite if conditioning == "pooled" else f"{suite}_{conditioning.replace('+', '_')}")
 
 
 def _groundflow(*args: str) -> subprocess.Popen:
@@ -389,11 +402,11 @@ def _wait(*procs: subprocess.Popen) -> None:
         raise SystemExit("a groundflow command failed")
 
 
-def _train(data: list[Path], out: Path, recipe: str, seed: int) -> None:
-    """Train ``recipe`` on ``data`` into ``out`` unless done (a killed run resumes)."""
+def _train(data: list[Path], out: Path, recipe: str, seed: int, flags: tuple[str, ...] = ()) -> None:
+    """Train ``recipe`` (and ``flags``) on ``data`` into ``out`` unless done (a killed run resumes)."""
     if not (out / "summary.json").exists():
-        _wait(_groundflow("train", "--recipe", recipe, "--data", *map(str, data), "--out", str(out), "--seed",
-                          str(seed), "--no-progress", "--wandb", "disabled",
+        _wait(_groundflow("train", "--recipe", recipe, *flags, "--data", *map(str, data), "--out", str(out),
+                          "--seed", str(seed), "--no-progress", "--wandb", "disabled",
                           *(["--resume"] if (out / "train_state.pt").exists() else [])))
 
 
@@ -406,7 +419,7 @@ def train_part(args: Args) -> None:
     files = [DATA / f"{args.suite}_s{s}.h5" for s in seeds]
     _wait(*[_groundflow("collect", *flags, "--episodes", str(n), "--seed", str(s), "--out", str(f), "--no-progress")
             for s, f in zip(seeds, files) if not f.exists()])
-    _train(files, RUNS / args.suite, recipe, args.seed)
+    _train(files, _suite_run(args.suite, args.conditioning), recipe, args.seed, CONDITIONING[args.conditioning])
 
 
 HELD_OUT_PAIRS = ("push the red cube to the left goal", "push the blue cube to the right goal")
@@ -463,9 +476,10 @@ def paraphrase_part(args: Args) -> None:
     from train.protocols import paraphrase_eval
     if args.suite not in TRAINING:
         raise SystemExit(f"--part paraphrase needs --suite, one of {', '.join(TRAINING)}")
-    ckpt = Path(args.ckpt) if args.ckpt else _suite_ckpt(args.suite)
+    ckpt = Path(args.ckpt) if args.ckpt else _suite_run(args.suite, args.conditioning) / "ckpt"
     if not ckpt.exists():
-        raise SystemExit(f"no checkpoint at {ckpt}: train it first (--part train --suite {args.suite})")
+        raise SystemExit(f"no checkpoint at {ckpt}: train it first (--part train --suite {args.suite} "
+                         f"--conditioning {args.conditioning})")
     torch.set_num_threads(1)
     meta = policies.read_checkpoint_meta(ckpt)
     env_id, trained = meta.get("extra", {}).get("env_id"), list(meta["instructions"])  # the suite's tasks it knows
@@ -478,14 +492,17 @@ def paraphrase_part(args: Args) -> None:
         runs[name] = paraphrase_eval(policies.load(ckpt, to_act=True), env_id, args.episodes, args.p5_seed,
                                      instructions=trained, env_options=opts, clean=(name == "encoder"),
                                      perturbation_seed=args.perturbation_seed, resolve=resolve, allow_unknown=allow)
-        print(args.suite, name, runs[name]["success_rate"], flush=True)
+        print(args.suite, args.conditioning, name, runs[name]["success_rate"], flush=True)
     clean = runs["encoder"]["clean"]
     command = (f"benchmarks/language.py --part paraphrase --suite {args.suite}" + (f" --ckpt {args.ckpt}" if args.ckpt
-               else "") + f" --episodes {args.episodes} --p5-seed {args.p5_seed} "
+               else "") + ("" if args.conditioning == "pooled" else f" --conditioning {args.conditioning}")
+               + f" --episodes {args.episodes} --p5-seed {args.p5_seed} "
                f"--perturbation-seed {args.perturbation_seed}")
     out = {}
     for name, r in runs.items():
-        out[name] = {"clean": clean["success_rate"], "paraphrase": r["success_rate"],
+        if args.conditioning != "pooled":  # the recipe's rows keep their names; another conditioning's are prefixed
+            name = args.conditioning + ("" if name == "encoder" else "+" + name)
+        out[name] = {"clean": clean["success_rate"], "conditioning": args.conditioning, "paraphrase": r["success_rate"],
                      "ratio": r["success_rate"] / clean["success_rate"] if clean["success_rate"] else None,
                      "episodes": r["episodes"], "seeds": 1, "ci95": r["ci95"], "successes": r["successes"],
                      "clean_ci95": clean["ci95"], "clean_successes": clean["successes"],
@@ -497,7 +514,7 @@ def paraphrase_part(args: Args) -> None:
                      **{k: r[k] for k in ("refused_episodes", "refused", "resolved") if k in r}}
     old = load_results(args.out)
     old["paraphrase"] = {k: v for k, v in old.get("paraphrase", {}).items() if k in TRAINING}  # suites only
-    old["paraphrase"][args.suite] = out
+    old["paraphrase"][args.suite] = {**old["paraphrase"].get(args.suite, {}), **out}
     write(args.out, old, table(old, list(old.get("suites", {}))))
 
 
@@ -734,14 +751,17 @@ def paraphrase_table(p: dict) -> str:
     rows, notes = [], []
     for suite, methods in p.items():
         for name, r in methods.items():
-            rows.append([suite, labels.get(name, name), f"{r['clean_successes']}/{r['episodes']}",
+            cond = r.get("conditioning", "pooled")
+            base = name if cond == "pooled" else ("encoder" if name == cond else name[len(cond) + 1:])
+            label = labels.get(base, base) if cond == "pooled" else f"{cond} conditioning, {labels.get(base, base)}"
+            rows.append([suite, label, f"{r['clean_successes']}/{r['episodes']}",
                          f"{r['clean']:.3f}", f"{r['successes']}/{r['episodes']}", f"{r['paraphrase']:.3f}",
                          f"[{r['ci95'][0]:.2f}, {r['ci95'][1]:.2f}]",
                          "" if r["ratio"] is None else f"{r['ratio']:.2f}", r.get("refused_episodes", "")])
-        first = next(iter(methods.values()))
-        notes.append(f"- {suite}: checkpoint `{first['ckpt']}` ({first['env_id']}), env seeds {first['env_seed']}.."
-                     f"{first['env_seed'] + first['episodes'] - 1}, paraphrase draw seed {first['perturbation_seed']}; "
-                     f"`OMP_NUM_THREADS=1 .venv/bin/python {first['command']}`")
+        for first in {r.get("conditioning", "pooled"): r for r in reversed(methods.values())}.values():
+            notes.append(f"- {suite}: checkpoint `{first['ckpt']}` ({first['env_id']}), env seeds {first['env_seed']}.."
+                         f"{first['env_seed'] + first['episodes'] - 1}, paraphrase draw seed "
+                         f"{first['perturbation_seed']}; `OMP_NUM_THREADS=1 .venv/bin/python {first['command']}`")
         for t, why in (methods.get("resolver", {}).get("refused") or {}).items():
             notes.append(f"  - refused {t!r}: {why}")
     return "\n".join(["## What the resolver buys a policy: P5 (held-out paraphrases)\n",

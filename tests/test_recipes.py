@@ -160,7 +160,9 @@ FIGURES = {
                   ("0.65", "grounding.json", "/competence/tabletop/ar/success"),
                   ("1.00", "grounding.json", "/competence/kitchen/flow/success"),
                   ("0.28", "language.json", "/paraphrase/tabletop/encoder/paraphrase"),
-                  ("0.95", "language.json", "/paraphrase/tabletop/resolver/paraphrase")],
+                  ("0.95", "language.json", "/paraphrase/tabletop/resolver/paraphrase"),
+                  ("0.62", "language.json", "/paraphrase/tabletop/augment/paraphrase"),
+                  ("0.92", "language.json", "/paraphrase/tabletop/augment/clean")],
     "multitask_cig": [("0.69", "grounding.json", "/protocols/P2_rho0.9/tabletop/flow/cig_bounded_joint/success"),
                       ("0.56", "grounding.json", "/protocols/P2_rho0.9/tabletop/flow/bc/success"),
                       ("0.61", "grounding.json", "/protocols/P2_rho0.9/tabletop/flow/bc_2x/success"),
@@ -175,8 +177,9 @@ FIGURES = {
                     ("0.96", "libero.json", "/policies/bc_dart/average"),
                     ("0.35", "libero.json", "/policies/bc/average")],
 }
-SETTINGS = {"multitask": set(), "multitask_cig": {"0.9", "1.25"}, "libero_dart": {"0.1"}}
-"""decimals in a description that are settings (rho 0.9, --cig.demonstrated-radius 1.25, --dart-noise 0.1)"""
+SETTINGS = {"multitask": {"0.5"}, "multitask_cig": {"0.9", "1.25"}, "libero_dart": {"0.1"}}
+"""decimals in a description that are settings (--paraphrase-augment 0.5, rho 0.9, --cig.demonstrated-radius 1.25,
+--dart-noise 0.1)"""
 
 
 @pytest.mark.parametrize("name", list(FIGURES))
