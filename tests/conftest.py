@@ -161,3 +161,12 @@ def tiny_flow_policy(env_id: str):
     rng = np.random.default_rng(0)
     model.fit_normalizer(rng.normal(size=(64, state_dim)), rng.uniform(-0.1, 0.1, size=(64, action_dim)))
     return model, layout
+
+
+def tabletop_demos(directory: Path, instructions: tuple[str, ...], episodes: int) -> Path:
+    """Expert demos of ``instructions`` on random tabletop layouts (seed 0), written to ``directory``."""
+    from train.collect import CollectArgs, collect
+    out = Path(directory) / "demos.h5"
+    collect(CollectArgs(suite="tabletop", episodes=episodes, layout="random", instructions=instructions, out=out,
+                        seed=0, progress=False))
+    return out

@@ -10,8 +10,8 @@ import pytest
 
 import envs
 import policies
+from conftest import tabletop_demos
 from train.bc import train
-from train.collect import CollectArgs, collect
 from train.recipes import RECIPES, recipe_args
 
 PICK = ("pick up the red cube", "pick up the blue cube")
@@ -20,10 +20,7 @@ CUBE = {PICK[0]: 0, PICK[1]: 2}  # index in the suite's (red, green, blue) order
 
 @pytest.fixture(scope="module")
 def two_picks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("two_picks") / "picks.h5"
-    collect(CollectArgs(suite="tabletop", episodes=120, layout="random", instructions=PICK, out=out, seed=0,
-                        progress=False))
-    return out
+    return tabletop_demos(tmp_path_factory.mktemp("two_picks"), PICK, episodes=120)
 
 
 def _target_cube(policy, env, seed: int, instruction: str, max_steps: int = 14, said: str | None = None) -> int:

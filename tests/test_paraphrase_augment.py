@@ -10,13 +10,12 @@ import json
 import pytest
 import torch
 
-import envs
+from conftest import tabletop_demos
 from envs.errors import InvalidOptionError
 from envs.wordings import held_out_wordings
 from policies.instructions import _split, training_wordings
 from policies.model import RESOLVER_KEY
 from train.bc import _draw_batch, train
-from train.collect import CollectArgs, collect
 from train.data import ChunkData
 from train.recipes import recipe_args
 
@@ -44,10 +43,7 @@ def test_rewrites_are_neither_trained_instructions_nor_held_out_wordings():
 
 @pytest.fixture(scope="module")
 def pushes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pushes") / "pushes.h5"
-    collect(CollectArgs(suite="tabletop", episodes=6, layout="random", instructions=PUSH, out=out, seed=0,
-                        progress=False))
-    return out
+    return tabletop_demos(tmp_path_factory.mktemp("pushes"), PUSH, episodes=6)
 
 
 def test_a_batch_trains_on_rewrites_of_its_own_instruction(pushes):
