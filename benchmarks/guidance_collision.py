@@ -241,6 +241,7 @@ def _goal_clearance(a: Args, pol: Any) -> None:
     (the check's spacing), each episode run alone (the same episode as in the table: reset and sampler
     seeded per episode)."""
     import envs
+    from policies.constraints import goal_room
     from train.guided_eval import CHECK_SPACING, obstacles_of
     old = json.loads((RESULTS / "guidance.json").read_text())
     name = old["collision"]["recommended"]
@@ -250,12 +251,11 @@ def _goal_clearance(a: Args, pol: Any) -> None:
     eps = []
     for seed in tqdm(range(a.final_seed, a.final_seed + a.final_episodes), desc="goal clearance"):
         env.reset(seed=seed)
-        pts = torch.as_tensor(np.asarray(env.raw.body_points(CHECK_SPACING)), dtype=torch.float32)
-        goal = torch.as_tensor(np.asarray(env.raw.tcp_and_goal()[1]), dtype=torch.float32)
-        room = min(float(o.sdf(pts + goal).min()) for o in obstacles_of(env.raw))
+        room = min(goal_room(env.raw.tcp_and_goal()[1], obstacles_of(env.raw), env.raw.body_points(CHECK_SPACING)))
         r = evaluate_collision(pol, row.method, scale, 1, seed=seed, options=row.options, body=row.body, margin=margin,
                                goal_weight=goal_weight, check=row.check, n_steps=row.n_steps, env=env)
-        eps.append({"seed": seed, "room_m": room, "success": bool(r["success_rate"]), "collided": bool(r["collision_rate"])})
+        eps.append({"seed": seed, "room_m": room, "success": bool(r["success_rate"]),
+                    "collided": bool(r["collision_rate"])})
     env.close()
     bins = {"inside": (-1.0, 0.0), "under_check_clearance": (0.0, CHECK_CLEARANCE),
             "under_cost_margin": (CHECK_CLEARANCE, ARM["margin"]), "clear": (ARM["margin"], 1.0)}

@@ -62,12 +62,17 @@ class BodyPath:
         return (tcp_path[:, :, None, :] + self.offsets.to(tcp_path)).flatten(1, 2)
 
 
+def goal_room(goal: Any, obstacles: list, body: Any) -> list[float]:
+    """Per obstacle, the signed distance (metres; < 0: inside) of the body (``body`` points around the
+    TCP) nearest it when the TCP stands at ``goal``."""
+    points = torch.as_tensor(np.asarray(goal) + np.asarray(body), dtype=torch.float32)[None]
+    return [float(o.sdf(points).min()) for o in obstacles]
+
+
 def unreachable_goal(goal: Any, obstacles: list, body: Any) -> str | None:
     """Why no path can end at ``goal`` with the body (``body`` points around the TCP) outside every
     obstacle, or None. A constraint the robot cannot satisfy is refused, not chased."""
-    points = torch.as_tensor(np.asarray(goal) + np.asarray(body), dtype=torch.float32)[None]
-    for k, o in enumerate(obstacles):
-        depth = float(o.sdf(points).min())
+    for k, (o, depth) in enumerate(zip(obstacles, goal_room(goal, obstacles, body))):
         if depth < 0:
             return (f"the goal {np.round(np.asarray(goal, float), 3).tolist()} puts the gripper {-depth * 100:.1f} cm "
                     f"inside obstacle {k} ({type(o).__name__}): no motion can reach it without a collision")

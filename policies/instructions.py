@@ -817,7 +817,8 @@ class InstructionResolver:
         for ci, c in enumerate(clauses[:-1]):
             for k in verbs_by_clause[c]:
                 w = toks[k].word
-                if w in ACQUIRE_VERBS | PREPARATORY_VERBS or any(w in g and g & ACQUIRE_VERBS for g in SYNONYM_GROUPS):
+                if w in ACQUIRE_VERBS | PREPARATORY_VERBS or any(w in g and g & ACQUIRE_VERBS
+                                                                 for g in SYNONYM_GROUPS):
                     exempt.add(k)
         # "... until it sits on the mark", "so that it rests on ...": a pronoun's verb says the end state
         exempt |= {k for k in content if toks[k].pos == "verb" and _prev_kind(toks, toks[k]) == "pron"}

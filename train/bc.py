@@ -391,9 +391,12 @@ def _check_args(args: TrainArgs) -> None:
     if not args.cig.weight >= 0:  # a negative (or NaN) lambda used to train plain BC without a word
         raise ValueError(f"--cig-weight must be >= 0 (0: plain BC), got {args.cig.weight}")
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size),
-                        ("--save-every", args.save_every), ("--log-every", args.log_every)):
+                        ("--save-every", args.save_every), ("--log-every", args.log_every),
+                        ("--paraphrases-per-instruction", args.paraphrases_per_instruction)):
         if value < 1:
             raise InvalidOptionError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.paraphrase_augment <= 1:
+        raise InvalidOptionError(f"--paraphrase-augment {args.paraphrase_augment}: a probability in [0, 1] (0: off)")
     if not 1 <= args.horizon <= MAX_HORIZON:
         raise InvalidOptionError(f"--horizon must be in [1, {MAX_HORIZON}], got {args.horizon}")
     if args.vision_cache and args.init_from is None:  # --from: checked on the checkpoint's config once loaded
@@ -436,10 +439,6 @@ def _training_wordings(args: TrainArgs, data: ChunkData, policy: Any) -> dict[st
     (never the checkpoint's vocabulary); the data's suite's held-out wordings are kept out."""
     if not args.paraphrase_augment:
         return None
-    if not 0 < args.paraphrase_augment <= 1:
-        raise InvalidOptionError(f"--paraphrase-augment {args.paraphrase_augment}: a probability in (0, 1]")
-    if args.paraphrases_per_instruction < 1:
-        raise InvalidOptionError(f"--paraphrases-per-instruction {args.paraphrases_per_instruction}: at least 1")
     from policies.instructions import training_wordings
     texts = sorted(set(data.instructions) - {NULL_INSTRUCTION})
     table = training_wordings(texts, per_instruction=args.paraphrases_per_instruction, seed=args.seed,
