@@ -152,6 +152,16 @@ def test_framing_negated_and_result_clauses_are_set_aside(resolvers, name, text,
     ("tabletop", "push the blur cube to the left goal", "push the blue cube to the left goal"),  # one letter off
     ("kitchen", "find the green can and put it on the plate", "put the green can on the plate"),
     ("libero_goal", "switch the stove dial to on", "turn on the stove"),  # a part a hand works it by
+    ("libero_goal", "rotate the dial so as to light the hob", "turn on the stove"),  # a means clause
+    ("kitchen", "ditch the blue block by dropping it into the rubbish", "put the blue cube in the bin"),  # by ...ing
+    ("kitchen", "chuck the green tin out", "put the green can in the bin"),  # throwing away is binning
+    ("kitchen", "could you dispose of the red brick", "put the red cube in the bin"),
+    ("libero_goal", "pull the upper drawer out", "open the top drawer and put the bowl inside"),  # pulled open
+    ("libero_goal", "fire the cooker up", "turn on the stove"),
+    ("tabletop", "scooch the green block over to the right target", "push the green cube to the right goal"),
+    ("tabletop", "plonk the red one on the blue one", "stack the red cube on the blue cube"),  # by roles, "one"
+    ("tabletop", "lift the green cube up full stop", "pick up the green cube"),  # dictated punctuation
+    ("libero_goal", "drop the creme cheese into the bowl", "put the cream cheese in the bowl"),  # a spelling
 ])
 def test_how_people_type_and_say_it(resolvers, name, text, want):
     res = resolvers[name].resolve(text)
@@ -163,6 +173,10 @@ def test_how_people_type_and_say_it(resolvers, name, text, want):
     ("tabletop", "when you get a chance", ("chance",)),  # only the framing
     ("tabletop", "push the bled cube to the left goal", ("ambiguous",)),  # two letters from any colour
     ("libero_goal", "turn the cabinet handle to on", ("cabinet",)),
+    ("libero_goal", "pull the plate toward the stove", ("pull", "opposite")),  # only a drawer or door is pulled open
+    ("libero_goal", "rotate the dial", ("rotate", "action")),  # a means with no end
+    ("tabletop", "throw the blue cube away", ("throw away",)),  # no bin in this scene
+    ("kitchen", "get rid of the red cube by putting it on the plate", ("bin", "plate")),  # the two clauses disagree
 ])
 def test_how_people_type_it_does_not_let_through(resolvers, name, text, words):
     res = resolvers[name].resolve(text)
