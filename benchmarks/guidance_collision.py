@@ -57,6 +57,10 @@ class Row:
     """flow steps (None: the policy's 10)"""
     scales: tuple[float, ...] | None = None
     """swept scales (None: --scales)"""
+    margin_to_goal: bool = False
+    """cap the margin by the room the goal leaves the hand's boxes, never under the check's clearance"""
+    coast: float = 0.0
+    """the check runs each chunk's path on by this fraction of its last step (the arm moves on in a hold)"""
 
 
 # mc is left out: it needs samples of the *conditional* chunk distribution for each observation
@@ -82,6 +86,21 @@ CONFIGS: dict[str, Row] = {
                                       **ARM),
     "coupled_trust_fast_retry": Row("coupled", {"step": "trust", "radius": 3.0}, check=ChunkCheck(retries=1),
                                     n_steps=5, **ARM),
+    # the recommended row's two failure modes, one fix each and both: a goal with less room than the margin
+    # (the arm hovers where the goal's pull and the margin balance), and a state where the one guided sample
+    # fails the check at every plan (a hold leaves the state, so the next sample fails alike)
+    "coupled_trust_fast_goal_margin": Row("coupled", {"step": "trust", "radius": 3.0}, check=ChunkCheck(), n_steps=5,
+                                          margin_to_goal=True, **ARM),
+    "coupled_trust_fast_retry8": Row("coupled", {"step": "trust", "radius": 3.0},
+                                     check=ChunkCheck(retries=1, retry_candidates=8), n_steps=5, **ARM),
+    "coupled_trust_fast_goal_margin_retry8": Row("coupled", {"step": "trust", "radius": 3.0},
+                                                 check=ChunkCheck(retries=1, retry_candidates=8), n_steps=5,
+                                                 margin_to_goal=True, **ARM),
+    # ... and the check's coast, as the deploy defaults have it: a hold after a chunk that ends heading into an
+    # obstacle lets the arm drift on into it (the one collision of the row above in 200 episodes)
+    "coupled_trust_fast_goal_margin_retry8_coast": Row("coupled", {"step": "trust", "radius": 3.0},
+                                                       check=ChunkCheck(retries=1, retry_candidates=8), n_steps=5,
+                                                       margin_to_goal=True, coast=ArmGuidance.coast, **ARM),
     "state_gradient_fast_checked": Row("state_gradient", check=ChunkCheck(), n_steps=5, **ARM),
     "best_of_8_checked": Row("none", check=ChunkCheck(candidates=8), **{**ARM, "scales": (0.0,)}),
 }
@@ -253,7 +272,8 @@ def _goal_clearance(a: Args, pol: Any) -> None:
         env.reset(seed=seed)
         room = min(goal_room(env.raw.tcp_and_goal()[1], obstacles_of(env.raw), env.raw.body_points(CHECK_SPACING)))
         r = evaluate_collision(pol, row.method, scale, 1, seed=seed, options=row.options, body=row.body, margin=margin,
-                               goal_weight=goal_weight, check=row.check, n_steps=row.n_steps, env=env)
+                               goal_weight=goal_weight, check=row.check, n_steps=row.n_steps, env=env,
+                               margin_to_goal=row.margin_to_goal, coast=row.coast)
         eps.append({"seed": seed, "room_m": room, "success": bool(r["success_rate"]),
                     "collided": bool(r["collision_rate"])})
     env.close()
@@ -316,14 +336,17 @@ def _weights(a: Args, row: Row) -> tuple[float, float]:
 def _run(a: Args, pol: Any, row: Row, scale: float, episodes: int, seed: int) -> dict[str, Any]:
     margin, goal_weight = _weights(a, row)
     r = evaluate_collision(pol, row.method, scale, episodes, seed=seed, options=row.options, body=row.body,
-                           margin=margin, goal_weight=goal_weight, check=row.check, n_steps=row.n_steps)
+                           margin=margin, goal_weight=goal_weight, check=row.check, n_steps=row.n_steps,
+                           margin_to_goal=row.margin_to_goal, coast=row.coast)
     return {**r, "config": _describe(row)}
 
 
 def _describe(row: Row) -> dict[str, Any]:
     return {"method": row.method, "options": row.options, "body": "links" if row.body == LINKS else "key_points",
             "margin": row.margin, "goal_weight": row.goal_weight, "n_steps": row.n_steps,
-            "check": None if row.check is None else {"candidates": row.check.candidates, "retries": row.check.retries}}
+            "margin_to_goal": row.margin_to_goal, "coast": row.coast,
+            "check": None if row.check is None else {"candidates": row.check.candidates, "retries": row.check.retries,
+                                                     "retry_candidates": row.check.retry_candidates}}
 
 
 def _time_interleaved(a: Args, pol: Any, scales: dict[str, float], states: int = 12, rounds: int = 3) -> dict[str, float]:
@@ -343,7 +366,7 @@ def _time_interleaved(a: Args, pol: Any, scales: dict[str, float], states: int =
                 torch.manual_seed(k)
                 t = time.perf_counter()
                 _plan(pol, env.raw, o, row.method, scales.get(m, 0.0), *_weights(a, row), row.options, row.body,
-                      row.check, CHECK_CLEARANCE, row.n_steps)
+                      row.check, CHECK_CLEARANCE, row.n_steps, row.margin_to_goal, row.coast)
                 times[m].append(time.perf_counter() - t)
     env.close()
     base = float(np.median(times.pop("none")))

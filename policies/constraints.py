@@ -69,6 +69,15 @@ def goal_room(goal: Any, obstacles: list, body: Any) -> list[float]:
     return [float(o.sdf(points).min()) for o in obstacles]
 
 
+def goal_margin(margin: float, clearance: float, goal: Any, obstacles: list, body: Any) -> float:
+    """The cost's margin, capped by the room the goal leaves the body (``goal_room``) but never under the
+    check's ``clearance``: a margin wider than that room puts the cost's minimum short of the goal, where
+    the goal's pull and the margin balance and the arm hovers until the episode ends."""
+    if goal is None or not obstacles:
+        return margin
+    return min(margin, max(clearance, min(goal_room(goal, obstacles, body))))
+
+
 def unreachable_goal(goal: Any, obstacles: list, body: Any) -> str | None:
     """Why no path can end at ``goal`` with the body (``body`` points around the TCP) outside every
     obstacle, or None. A constraint the robot cannot satisfy is refused, not chased."""
@@ -148,16 +157,18 @@ def parse_obstacles(items: Any) -> list:
 
 @dataclass(frozen=True)
 class ArmGuidance:
-    """How a chunk is steered and checked. The defaults are the collision benchmark's recommended row:
-    0.77 success over 200 episodes with no collision, at 1.55x the unguided chunk time."""
+    """How a chunk is steered and checked. The defaults are the collision benchmark's recommended row
+    (benchmarks/results/guidance.json ``collision``; docs/guidance.md quotes its success, collisions and time)."""
 
     method: str = "coupled"
     options: dict = field(default_factory=lambda: {"step": "trust", "radius": 3.0})
-    scale: float = 30.0
+    scale: float = 10.0
     n_steps: int | None = 5
     """flow steps (None: the policy's)"""
     margin: float = 0.03
     """metres of clearance the cost asks for"""
+    margin_to_goal: bool = True
+    """cap ``margin`` by the room the goal leaves the body, never under ``clearance`` (``goal_margin``)"""
     goal_weight: float = 100.0
     """nats/m^2 pulling the chunk's end toward the goal (used where the state holds one)"""
     clearance: float = 0.015
@@ -174,7 +185,7 @@ class ArmGuidance:
     (a short move along the nearest obstacle toward the goal, sent only if it passes the same check)"""
     slide_step: float = 0.01
     """metres per step of a slide"""
-    check: ChunkCheck = ChunkCheck()
+    check: ChunkCheck = ChunkCheck(retries=1, retry_candidates=8)
 
     def __post_init__(self) -> None:
         if self.method not in guidance.METHODS or self.method == "none":
@@ -201,15 +212,19 @@ class ArmGuidance:
                                      f"got {self.n_steps!r}")
         if self.fallback not in ("hold", "slide"):
             raise InvalidOptionError(f"settings.fallback must be 'hold' or 'slide'; got {self.fallback!r}")
-        if self.check.candidates * (1 + self.check.retries) > MAX_DRAWS:
-            raise InvalidOptionError(f"settings.check draws at most {MAX_DRAWS} candidates per plan (candidates x "
-                                     f"(1 + retries)); got {self.check}")
+        if not isinstance(self.margin_to_goal, bool):
+            raise InvalidOptionError(f"settings.margin_to_goal must be true or false; got {self.margin_to_goal!r}")
+        if self.check.draws > MAX_DRAWS:
+            raise InvalidOptionError(f"settings.check draws at most {MAX_DRAWS} candidates per plan (candidates + "
+                                     f"retries x retry_candidates); got {self.check}")
 
     def to_message(self) -> dict:
-        return {**{k: getattr(self, k) for k in ("method", "options", "scale", "n_steps", "margin", "goal_weight",
+        return {**{k: getattr(self, k) for k in ("method", "options", "scale", "n_steps", "margin", "margin_to_goal",
+                                                  "goal_weight",
                                                   "clearance", "cost_spacing", "check_spacing", "coast",
                                                   "fallback", "slide_step")},
-                "candidates": self.check.candidates, "retries": self.check.retries}
+                "candidates": self.check.candidates, "retries": self.check.retries,
+                "retry_candidates": self.check.retry_candidates}
 
     @classmethod
     def from_message(cls, msg: Any) -> "ArmGuidance":
@@ -219,8 +234,9 @@ class ArmGuidance:
         known = set(cls().to_message())
         if set(msg) - known:
             raise InvalidOptionError(f"unknown settings {sorted(set(msg) - known)}; known: {sorted(known)}")
-        kw = {k: v for k, v in msg.items() if k not in ("candidates", "retries")}
-        check = ChunkCheck(candidates=msg.get("candidates", 1), retries=msg.get("retries", 0))
+        kw = {k: v for k, v in msg.items() if k not in ("candidates", "retries", "retry_candidates")}
+        check = ChunkCheck(candidates=msg.get("candidates", 1), retries=msg.get("retries", 0),
+                           retry_candidates=msg.get("retry_candidates"))
         return cls(**kw, check=check)
 
 
@@ -347,7 +363,9 @@ def constrained_chunk(policy: Any, obs: dict, c: ArmConstraints) -> ConstrainedC
     tcp = state[c.tcp_index:c.tcp_index + 3]
     goal = None if c.goal_index is None else state[c.goal_index:c.goal_index + 3]
     goal_weight = s.goal_weight if goal is not None else 0.0
-    cost = path_cost(policy, tcp, c.ee_delta_scale, c.points(s.cost_spacing), obstacles, s.margin,
+    margin = goal_margin(s.margin, s.clearance, goal, obstacles, c.points(s.check_spacing)) if s.margin_to_goal \
+        else s.margin
+    cost = path_cost(policy, tcp, c.ee_delta_scale, c.points(s.cost_spacing), obstacles, margin,
                      goal=goal, goal_weight=goal_weight)
     guide = guidance.make(s.method, cost=cost, scale=s.scale, **s.options) if s.scale > 0 else None
     feasible = path_check(policy, tcp, c.ee_delta_scale, c.points(s.check_spacing), obstacles, s.clearance,

@@ -30,13 +30,24 @@ class ChunkCheck:
     """samples drawn in one batch; the lowest-cost one that passes the check is sent"""
     retries: int = 0
     """fresh batches drawn when no candidate passes; then the robot holds"""
+    retry_candidates: int | None = None
+    """samples in each retry batch (None: ``candidates``). Where the first guided sample fails the check, the
+    guided distribution at that state is mostly infeasible, and a hold leaves the state (and so the
+    distribution) as it was: a wider second draw finds the feasible part without losing a step"""
 
     def __post_init__(self) -> None:
-        for name in ("candidates", "retries"):
+        for name in ("candidates", "retries", "retry_candidates"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "candidates" else 0):
-                raise InvalidOptionError(f"ChunkCheck.{name} must be an integer >= {1 if name == 'candidates' else 0}; "
+            if name == "retry_candidates" and v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "retries" else 1):
+                raise InvalidOptionError(f"ChunkCheck.{name} must be an integer >= {0 if name == 'retries' else 1}; "
                                          f"got {v!r}")
+
+    @property
+    def draws(self) -> int:
+        """The most candidates one plan can draw."""
+        return self.candidates + self.retries * (self.retry_candidates or self.candidates)
 
 
 @dataclass
@@ -70,8 +81,9 @@ def choose_chunk(policy: Any, batch: dict[str, Any], check: ChunkCheck, *, guide
     if len(first) != 1:
         raise InvalidOptionError(f"choose_chunk takes one observation; the batch has {len(first)}")
     stats = ChoiceStats()
-    many = _expand(batch, check.candidates) if check.candidates > 1 else batch
-    for _ in range(1 + check.retries):
+    for draw in range(1 + check.retries):
+        n = check.candidates if draw == 0 else check.retry_candidates or check.candidates
+        many = _expand(batch, n) if n > 1 else batch
         with torch.no_grad():
             x, st = policy.sample_chunks(many, guide=guide, return_stats=True, **sampling)
             stats.draws += 1

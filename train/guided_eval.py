@@ -17,7 +17,7 @@ import torch
 import envs
 import guidance
 from envs.errors import InvalidOptionError
-from policies.constraints import ArmGuidance, parse_obstacles, path_check, path_cost, unreachable_goal
+from policies.constraints import ArmGuidance, goal_margin, parse_obstacles, path_check, path_cost, unreachable_goal
 from policies.selection import ChunkCheck, choose_chunk
 
 
@@ -51,12 +51,14 @@ def _body(raw: Any, body: Any, spacing: float = LINK_SPACING) -> Any:
 
 
 def obstacle_cost(policy: Any, raw: Any, margin: float, weight: float = 1e4, goal_weight: float = 0.0,
-                  body: Any = GRIPPER_POINTS, obstacles: list | None = None):
+                  body: Any = GRIPPER_POINTS, obstacles: list | None = None, margin_floor: float | None = None):
     """Obstacle cost on the gripper's key points along the chunk's TCP path (``body``; TCP_ONLY
     for the TCP alone, LINKS for points on the hand's collision boxes), plus (``goal_weight`` > 0,
     nats/m^2) a pull of the chunk's end point toward the goal, so the detour keeps making progress.
     ``obstacles``: Sphere/Box list given by the user (None: the env's). A goal where a point of the
-    gripper would stand inside an obstacle raises ``InvalidOptionError``."""
+    gripper would stand inside an obstacle raises ``InvalidOptionError``. ``margin_floor`` (metres; None:
+    off): the margin is capped by the room the goal leaves the hand's boxes, never under this floor
+    (``policies.constraints.goal_margin``)."""
     obs = obstacles_of(raw) if obstacles is None else list(obstacles)
     if not obs:
         return None
@@ -67,37 +69,42 @@ def obstacle_cost(policy: Any, raw: Any, margin: float, weight: float = 1e4, goa
     why = unreachable_goal(goal, obs, GRIPPER_POINTS) if goal_weight > 0 else None
     if why:
         raise InvalidOptionError(why)
+    if margin_floor is not None and goal_weight > 0:
+        margin = goal_margin(margin, margin_floor, goal, obs, raw.body_points(CHECK_SPACING))
     return path_cost(policy, tcp, raw.ee_delta_scale, points, obs, margin, weight=weight, goal=goal,
                      goal_weight=goal_weight)
 
 
 def hard_check(policy: Any, raw: Any, clearance: float, body: Any = GRIPPER_POINTS,
-               obstacles: list | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+               obstacles: list | None = None, coast: float = 0.0) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``feasible(x) -> (N,) bool``: every body point (``body``; ``LINKS`` at ``CHECK_SPACING``)
     along the chunk's TCP path at least ``clearance`` metres outside every obstacle (None without
     obstacles; ``obstacles`` as in ``obstacle_cost``). The linear path model errs by up to 13 mm (p95,
-    expert chunks), so 1-2 cm covers it."""
+    expert chunks), so 1-2 cm covers it. ``coast``: the path runs on by that fraction of its last step (the
+    arm moves on during a hold that may follow; ``policies.constraints.path_check``)."""
     obs = obstacles_of(raw) if obstacles is None else list(obstacles)
     if not obs:
         return None
     tcp, _ = raw.tcp_and_goal()
-    return path_check(policy, tcp, raw.ee_delta_scale, _body(raw, body, CHECK_SPACING), obs, clearance)
+    return path_check(policy, tcp, raw.ee_delta_scale, _body(raw, body, CHECK_SPACING), obs, clearance, coast)
 
 
 def _plan(policy: Any, raw: Any, obs: Any, method: str, scale: float, margin: float, goal_weight: float,
           options: dict | None, body: tuple, check: ChunkCheck | None, clearance: float,
-          n_steps: int | None) -> tuple[Any, int, bool]:
-    """(normalized chunk or None to hold, network evaluations, whether it was held)."""
+          n_steps: int | None, margin_to_goal: bool = False, coast: float = 0.0) -> tuple[Any, int, bool]:
+    """(normalized chunk or None to hold, network evaluations, whether it was held). ``margin_to_goal``: the
+    margin capped by the goal's room, never under ``clearance``; ``coast``: the check's (``hard_check``)."""
     guide, cost = None, None
     obstacles = obstacles_of(raw)  # read once for the cost and the check
     if (method != "none" and scale > 0) or check is not None:
-        cost = obstacle_cost(policy, raw, margin, goal_weight=goal_weight, body=body, obstacles=obstacles)
+        cost = obstacle_cost(policy, raw, margin, goal_weight=goal_weight, body=body, obstacles=obstacles,
+                             margin_floor=clearance if margin_to_goal else None)
     if method != "none" and scale > 0 and cost is not None:
         guide = guidance.make(method, cost=cost, scale=scale, **(options or {}))
     batch = policy.obs_to_batch(obs)
     if check is not None:
         x, st = choose_chunk(policy, batch, check, guide=guide, cost=cost, n_exec=policy.config.n_exec,
-                             feasible=hard_check(policy, raw, clearance, body, obstacles), n_steps=n_steps)
+                             feasible=hard_check(policy, raw, clearance, body, obstacles, coast), n_steps=n_steps)
         return x, st.nfe, st.held
     if guide is not None and guide.needs_network_grad:
         x, st = policy.sample_chunks(batch, guide=guide, return_stats=True, n_steps=n_steps)
@@ -111,7 +118,7 @@ def evaluate_collision(policy: Any, method: str = "none", scale: float = 0.0, ep
                        obstacles: str = "random", margin: float = 0.05, goal_weight: float = 30.0, options: dict | None = None,
                        env: Any = None, body: tuple[tuple[float, float, float], ...] = GRIPPER_POINTS,
                        check: ChunkCheck | None = None, clearance: float = CHECK_CLEARANCE,
-                       n_steps: int | None = None) -> dict[str, Any]:
+                       n_steps: int | None = None, margin_to_goal: bool = False, coast: float = 0.0) -> dict[str, Any]:
     """Success and collision rates of ``policy`` guided by ``method`` at ``scale``; with ``check``,
     the chunk sent is chosen by ``policies.selection.choose_chunk`` (candidates, the hard check at
     ``clearance`` metres, a hold when none passes: one step of zero motion, then a fresh plan).
@@ -138,7 +145,7 @@ def evaluate_collision(policy: Any, method: str = "none", scale: float = 0.0, ep
             if not queue:
                 t_start = time.perf_counter()
                 x, n, held = _plan(policy, raw, obs, method, scale, margin, goal_weight, options, body, check,
-                                   clearance, n_steps)
+                                   clearance, n_steps, margin_to_goal, coast)
                 t_sample += time.perf_counter() - t_start
                 nfe += n
                 chunks += 1
