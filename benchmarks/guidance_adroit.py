@@ -6,7 +6,10 @@ Per task: a tiny flow policy trained on 50 DAPG expert demos (cached under
 runs/bench_guidance_adroit/), then none / clip / coupled (default linesearch step) /
 coupled_prox (converged prox step) / velocity_gradient / state_gradient / pnp_renoise over a
 scale sweep of two decades, plus coupled+clip and coupled_prox+clip (guided, then clamped) at
-their method's chosen scale; every run on the same episodes (seeds) and the same sampler noise.
+their method's chosen scale; every run on the same episodes (seeds) and the same sampler noise. Keep-out
+adds ``<method>+check`` rows (coupled, coupled_prox, pnp_renoise, guided_particles4): each chunk's predicted
+palm path is checked before it runs, 8 guided candidates replace a failing one, the safety filter is the
+last line; at the base method's chosen scale (this run's, else the one in guidance.json).
 Per method the reported scale is the one with the lowest violation rate, ties broken by
 success. Writes the "adroit", "adroit_sweep" and "adroit_meta" sections of
 benchmarks/results/guidance.json (other sections kept) and benchmarks/results/guidance_adroit.md;
@@ -20,6 +23,8 @@ method can keep out by freezing, so the lowest-violation rule would pick useless
         # ~4 min with cached policies, ~15 min with training (1 core, shared machine)
     .venv/bin/python benchmarks/guidance_adroit.py --tasks door --episodes 5 --no-write
     .venv/bin/python benchmarks/guidance_adroit.py --kind keepout --episodes 50 --methods particles4   # adds rows
+    .venv/bin/python benchmarks/guidance_adroit.py --kind keepout --episodes 50 --methods coupled+check \
+        coupled_prox+check pnp_renoise+check guided_particles4+check                                 # ~5 min
 """
 
 from __future__ import annotations
@@ -81,6 +86,10 @@ KEEPOUT_CONFIGS: dict[str, tuple[str, dict, tuple[float, ...]]] = {
 }
 # guided, then clamped: the safety net a deployment keeps; evaluated at the base method's chosen scale
 CLIPPED = {"coupled+clip": "coupled", "coupled_prox+clip": "coupled_prox"}
+# keep-out only: guided, then the hard check of each chunk's predicted palm path (8 guided candidates at once
+# when it fails, the safety filter when none passes); at the base method's chosen scale (this run's, else the
+# one stored in guidance.json)
+CHECKED = {f"{m}+check": m for m in ("coupled", "coupled_prox", "pnp_renoise", "guided_particles4")}
 WEIGHT = 100.0  # LimitCost weight, nats per action-unit^2 (0.1 outside the limit: 1 nat at scale 1)
 WEIGHTS = {"joint_limits": WEIGHT, "keepout": 1e4}
 KIND_TASKS = {"joint_limits": list(TASKS), "keepout": list(KEEPOUTS)}
@@ -145,6 +154,13 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
         r = one(name, f"{method}+clip", options, best[base]["scale"])
         sweep[name] = [r]
         best[name] = r
+    for name, base in CHECKED.items():
+        if kind != "keepout" or (methods and name not in methods):
+            continue
+        method, options, _ = configs[base]
+        r = one(name, f"{method}+check", options, best[base]["scale"] if base in best else _stored_scale(task, base))
+        sweep[name] = [r]
+        best[name] = r
     for e in pool:
         e.close()
     if kind == "keepout":
@@ -159,10 +175,18 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
     return best, sweep, meta
 
 
+def _stored_scale(task: str, base: str) -> float:
+    """The keep-out scale guidance.json chose for ``base`` on ``task``."""
+    stored = json.loads((RESULTS / "guidance.json").read_text()).get("adroit_keepout", {}).get(task, {})
+    if base not in stored:
+        raise SystemExit(f"no stored adroit_keepout row {base!r} for {task}: run --methods {base} too")
+    return float(stored[base]["scale"])
+
+
 KEYS = ("success_rate", "violation_rate", "nonfinite_rate", "state_violation_rate", "state_violation_max",
         "violation_mean", "violation_max",
         "clean_success_rate", "chunk_violation_frac", "scale", "mean_steps", "ms_per_chunk", "ms_per_chunk_batched",
-        "nfe_per_chunk", "backward_per_chunk", "episodes", "options")
+        "nfe_per_chunk", "backward_per_chunk", "episodes", "options", "retried_per_chunk", "filtered_per_chunk")
 
 
 def table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], episodes: int) -> str:
@@ -278,7 +302,8 @@ def main() -> None:
     bad = [t for t in tasks if t not in KIND_TASKS[a.kind]]
     if bad:
         ap.error(f"no {a.kind} constraint for {bad}; valid: {KIND_TASKS[a.kind]}")
-    known = set(KEEPOUT_CONFIGS if a.kind == "keepout" else CONFIGS) | set(CLIPPED)
+    known = set(KEEPOUT_CONFIGS if a.kind == "keepout" else CONFIGS) | set(CLIPPED) \
+        | (set(CHECKED) if a.kind == "keepout" else set())
     if set(a.methods) - known:
         ap.error(f"unknown --methods {sorted(set(a.methods) - known)}; valid: {sorted(known)}")
     orphans = [m for m in a.methods if m in CLIPPED and CLIPPED[m] not in a.methods]

@@ -104,18 +104,17 @@ def door_policy(tmp_path_factory):
     return policies.load(d / "run" / "ckpt")
 
 
-def test_guided_chunks_plan_around_the_ball(door_policy):
-    """At states the expert visits on its way up, unguided chunks plan the palm through the ball;
-    coupled guidance (no network gradient) plans around it and leaves the fingers alone."""
-    ko = ce.KEEPOUTS["door"]
+def _on_the_way_up(seeds) -> tuple:
+    """The expert's door episodes (an env) and, a quarter of the way up to the handle (steps 10 and 12), where
+    plans cross the ball: the observations and an env standing in each of those states."""
     env = envs.make("adroit/door")
     expert = env.make_expert()
     obs_list, pool = [], []
-    for seed in range(4):
+    for seed in seeds:
         obs, _ = env.reset(seed=seed)
         expert.reset(env, obs)
         for t in range(13):
-            if t in (10, 12):  # a quarter of the way up to the handle: plans from here cross the ball
+            if t in (10, 12):
                 snap = envs.make("adroit/door")
                 snap.reset(seed=seed)
                 snap.unwrapped_mujoco.data.qpos[:] = env.unwrapped_mujoco.data.qpos
@@ -123,6 +122,14 @@ def test_guided_chunks_plan_around_the_ball(door_policy):
                 obs_list.append(obs)
                 pool.append(snap)
             obs, *_ = env.step(expert.act(obs))
+    return env, obs_list, pool
+
+
+def test_guided_chunks_plan_around_the_ball(door_policy):
+    """At states the expert visits on its way up, unguided chunks plan the palm through the ball;
+    coupled guidance (no network gradient) plans around it and leaves the fingers alone."""
+    ko = ce.KEEPOUTS["door"]
+    env, obs_list, pool = _on_the_way_up(range(4))
     ko.bind(env)
     noise = torch.randn(len(obs_list), door_policy.config.horizon, door_policy.config.action_dim,
                         generator=torch.Generator().manual_seed(0))
@@ -159,3 +166,27 @@ def test_keepout_evaluation_is_seeded_and_bad_input_is_named(door_policy):
         ce.constraint_for("adroit/pen", "keepout")
     with pytest.raises(InvalidOptionError, match="keepout"):
         ce.evaluate_constrained(door_policy, "adroit/door", "none", kind="forcefield")
+
+
+def test_the_hard_check_passes_only_plans_clear_of_the_ball(door_policy):
+    """``KeepOut.passes`` accepts a chunk exactly when its predicted palm path stays out of the ball; the unguided
+    plans that cross the ball fail it. ``+check`` runs and reports its retries; it needs the keep-out model."""
+    ko = ce.KEEPOUTS["door"]
+    env, obs_list, pool = _on_the_way_up(range(2))
+    ko.bind(env)
+    noise = torch.randn(len(obs_list), door_policy.config.horizon, door_policy.config.action_dim,
+                        generator=torch.Generator().manual_seed(0))
+    chunks, _, _ = ce.sample_chunks(door_policy, obs_list, None, noise)
+    qpos, qvel = ko.joint_state(pool)
+    p = ko.predict_palm(torch.as_tensor(np.clip(chunks, -1, 1)), qpos, qvel)
+    clear = (torch.linalg.norm(p - ko.center_t, dim=-1).amin(1) >= ko.radius + ko.check_clearance).numpy()
+    ok = ko.passes(chunks, pool)
+    assert (ok == clear).all() and not ok.all()  # some plans cross the ball, and those fail
+    assert not ko.passes(np.full_like(chunks[:1], np.nan), pool[:1])[0]  # a NaN chunk never passes
+    r = ce.evaluate_constrained(door_policy, "adroit/door", "coupled+check", 10.0, episodes=2, seed=5,
+                                weight=1e4, latency_calls=0, kind="keepout")
+    assert 0 <= r["filtered_per_chunk"] <= r["retried_per_chunk"] <= 1
+    with pytest.raises(InvalidOptionError, match="keep-out"):
+        ce.evaluate_constrained(door_policy, "adroit/door", "coupled+check", 1.0, episodes=1)
+    for e in pool + [env]:
+        e.close()

@@ -65,7 +65,10 @@ QPOS_TOL = 0.05
 """joint-position tolerance, in action units (of the joint position mapped through its servo)"""
 GUIDED_METHODS = ("coupled", "velocity_gradient", "state_gradient", "pnp_renoise", "particles", "guided_particles")
 BASE_METHODS = ("none", "clip")
-METHODS = BASE_METHODS + GUIDED_METHODS + tuple(f"{m}+clip" for m in GUIDED_METHODS)
+METHODS = BASE_METHODS + GUIDED_METHODS + tuple(f"{m}+clip" for m in GUIDED_METHODS) \
+    + tuple(f"{m}+check" for m in GUIDED_METHODS)
+CHECK_RETRY = 8
+"""``+check``: guided candidates drawn at once for an episode whose chunk fails the check"""
 SHRINK = 0.35
 """fraction of a joint's demonstrated action range removed from one side"""
 
@@ -297,6 +300,10 @@ class KeepOut:
     margin: float = 0.02
     lookahead: int = 4
     """steps the safety filter looks ahead while holding the command"""
+    check_clearance: float = 0.0
+    """metres the predicted palm path must keep outside the ball in the hard check (``passes``). The cost asks
+    for ``margin``; a check at the margin (the filter's standard) rejected so many plans that the filter's
+    fallback cost a third of the door successes"""
 
     kind = "keepout"
     primary = "state"     # the violation that counts: where the palm actually went
@@ -382,6 +389,16 @@ class KeepOut:
             a = (a - (gap.item() + 1e-3) * g / n2).clamp(-1.0, 1.0)
         return a.detach().numpy().astype(np.float32)
 
+    def passes(self, actions: np.ndarray, pool: Sequence[Any]) -> np.ndarray:
+        """(B,) bool: the palm path the servo model predicts for each chunk ``actions`` (B, n, A) (action
+        units) from its robot's joint state (``pool``: one env per chunk) stays ``check_clearance`` outside
+        the ball."""
+        with torch.no_grad():
+            a = torch.as_tensor(np.clip(np.nan_to_num(actions, nan=2.0), -1.0, 1.0), dtype=torch.float32)
+            path = self.predict_palm(a, *self.joint_state(pool))
+            gap = torch.linalg.norm(path - self.center_t, dim=-1).amin(1) - (self.radius + self.check_clearance)
+        return (gap >= 0).numpy() & np.isfinite(actions).reshape(len(actions), -1).all(1)
+
     def command_excess(self, actions: np.ndarray) -> np.ndarray:
         """Depth (m) of each command's equilibrium palm inside the ball, ``(..., 1)`` (0 outside):
         where the palm would settle if the command were held."""
@@ -452,6 +469,8 @@ def _parse_method(method: str) -> tuple[str, bool]:
         raise InvalidOptionError(f"unknown method {method!r}; valid methods: {', '.join(METHODS)}")
     if method == "clip":
         return "none", True
+    if method.endswith("+check"):
+        return method[: -len("+check")], False
     if method.endswith("+clip"):
         return method[: -len("+clip")], True
     return method, False
@@ -509,8 +528,11 @@ def _servo_map(env: Any, dims: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, guide: guidance.Guidance | None,
-              clip: bool, episodes: int, seed: int, latency_calls: int) -> dict[str, Any]:
-    """Lockstep rollouts of ``episodes`` envs of ``pool``; raw per-episode arrays and counters."""
+              clip: bool, episodes: int, seed: int, latency_calls: int, checked: bool = False) -> dict[str, Any]:
+    """Lockstep rollouts of ``episodes`` envs of ``pool``; raw per-episode arrays and counters. ``checked``
+    (keep-out): each chunk's executed steps must pass ``KeepOut.passes``; an episode whose chunk fails draws
+    ``CHECK_RETRY`` guided candidates at once and runs the first that passes, or, when none does, runs
+    its chunk through the safety filter (the last line)."""
     constraint.bind(pool[0])
     adim = pool[0].action_space.shape[0]
     if int(policy.config.action_dim) != adim:
@@ -534,6 +556,9 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
     nfe = n_backward = calls = n_chunks = 0
     t_batched = 0.0
     queues: list[list[np.ndarray]] = [[] for _ in range(episodes)]
+    filtered = np.zeros(episodes, bool)  # this chunk runs through the safety filter (no candidate passed)
+    retry_gen = torch.Generator().manual_seed(int(seed) + 1)  # retries leave the shared noise stream alone
+    retried = fell_back = 0
     max_steps = max(e.max_episode_steps for e in pool)
     for step in range(max_steps):
         idx = np.flatnonzero(active)
@@ -556,9 +581,13 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
                     nonfinite[episode] = True
                     active[episode] = False
                 queues[episode] = list(chunks[row, :n_exec])
+            if checked:
+                r, f, t = _check_chunks(policy, constraint, pool, obs, idx, chunks[:, :n_exec], guide, queues,
+                                        filtered, n_exec, retry_gen)
+                retried, fell_back, t_batched = retried + r, fell_back + f, t_batched + t
         for episode in np.flatnonzero(active):
             action = queues[episode].pop(0)
-            if clip:
+            if clip or (checked and filtered[episode]):
                 action = constraint.filter(action, pool[episode])
             action = np.clip(action, -1.0, 1.0)  # what the env executes anyway
             ex = constraint.command_excess(action)
@@ -580,7 +609,35 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
         latency.append(dt)
     return {"success": success, "steps": steps, "nonfinite": nonfinite, "a_max": a_max, "a_sum": a_sum, "q_max": q_max,
             "chunk_viol": chunk_viol, "chunk_entries": chunk_entries, "nfe": nfe, "n_backward": n_backward,
-            "calls": calls, "n_chunks": n_chunks, "t_batched": t_batched, "latency": latency, "width": width}
+            "calls": calls, "n_chunks": n_chunks, "t_batched": t_batched, "latency": latency, "width": width,
+            "retried": retried, "fell_back": fell_back}
+
+
+def _check_chunks(policy: Any, constraint: KeepOut, pool: list, obs: list, idx: np.ndarray, executed: np.ndarray,
+                  guide: guidance.Guidance | None, queues: list, filtered: np.ndarray, n_exec: int,
+                  gen: torch.Generator) -> tuple[int, int, float]:
+    """The hard check of ``_rollouts(checked=True)`` on the chunks just drawn for episodes ``idx``: a failing
+    episode gets ``CHECK_RETRY`` guided candidates (the first that passes replaces its queue) or the
+    filter. Returns (episodes retried, episodes filtered, seconds spent)."""
+    t0 = time.perf_counter()
+    ok = constraint.passes(executed, [pool[i] for i in idx])
+    retried = fell_back = 0
+    for row in np.flatnonzero(~ok):
+        episode = int(idx[row])
+        retried += 1
+        many = [pool[episode]] * CHECK_RETRY
+        constraint.before_sample(None if guide is None else guide.cost, many)
+        noise = torch.randn(CHECK_RETRY, int(policy.config.horizon), executed.shape[-1], generator=gen)
+        cand, _, _ = sample_chunks(policy, [obs[episode]] * CHECK_RETRY, guide, noise)
+        good = np.flatnonzero(constraint.passes(cand[:, :n_exec], many))
+        if good.size:
+            queues[episode], filtered[episode] = list(cand[good[0], :n_exec]), False
+        else:
+            filtered[episode] = True
+            fell_back += 1
+    for row in np.flatnonzero(ok):
+        filtered[int(idx[row])] = False
+    return retried, fell_back, time.perf_counter() - t0
 
 
 def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: float = 0.0, episodes: int = 20,
@@ -608,12 +665,16 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
     state_tol = constraint.state_tol if state_tol is None else float(state_tol)
     guide = make_guide(policy, constraint, method, scale, weight, options)
     clip = _parse_method(method)[1]
+    checked = method.endswith("+check")
+    if checked and constraint.kind != "keepout":
+        raise InvalidOptionError(f"{method!r}: the hard check reads the keep-out's palm path model; for joint "
+                                 "limits clip the command (method 'clip' or '<method>+clip')")
     own = env_pool is None
     pool = [envs.make(env_id) for _ in range(episodes)] if own else list(env_pool)[:episodes]
     if len(pool) < episodes:
         raise InvalidOptionError(f"env_pool holds {len(pool)} envs, need {episodes}")
     try:
-        raw = _rollouts(policy, constraint, pool, guide, clip, episodes, seed, latency_calls)
+        raw = _rollouts(policy, constraint, pool, guide, clip, episodes, seed, latency_calls, checked)
     finally:
         if own:
             for env in pool:
@@ -641,7 +702,9 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
             "mean_steps": float(steps.mean()),
             "nfe_per_chunk": nfe / max(calls, 1), "backward_per_chunk": n_backward / max(calls, 1),
             "ms_per_chunk": 1000 * float(np.median(latency)) if latency else None,
-            "ms_per_chunk_batched": 1000 * t_batched / max(n_chunks, 1)}
+            "ms_per_chunk_batched": 1000 * t_batched / max(n_chunks, 1),
+            **({"retried_per_chunk": raw["retried"] / max(n_chunks, 1),
+                "filtered_per_chunk": raw["fell_back"] / max(n_chunks, 1)} if checked else {})}
 
 
 __all__ = ["CONSTRAINTS", "KEEPOUTS", "KINDS", "METHODS", "GUIDED_METHODS", "AdroitConstraint", "JointLimit",
