@@ -96,18 +96,19 @@ KIND_TASKS = {"joint_limits": list(TASKS), "keepout": list(KEEPOUTS)}
 SEED = 3000
 
 
-def policy_for(task: str, log=print) -> tuple[Any, dict]:
-    """Train (or reuse) the tiny flow policy of ``task``."""
+def policy_for(task: str, log=print, dart_noise: float = 0.0) -> tuple[Any, dict]:
+    """Train (or reuse) the tiny flow policy of ``task`` (``dart_noise`` > 0: on DART demos, the expert's labels
+    under noisy execution, so the policy has seen states off the expert's path)."""
     n_demos, steps = TASKS[task]
-    data = demos(f"adroit/{task}", n_demos)
-    out = RUNS / task
+    data = demos(f"adroit/{task}", n_demos, **({"dart_noise": dart_noise} if dart_noise else {}))
+    out = RUNS / (f"{task}_dart{dart_noise:g}" if dart_noise else task)
     info_path = out / "bench_train.json"
     if (out / "ckpt").exists() and info_path.exists():
         return policies.load(out / "ckpt"), json.loads(info_path.read_text())
     t = time.time()
     s = train(TrainArgs(data=(data,), policy="flow", steps=steps, batch_size=64, horizon=16, n_exec=8, out=out,
                         wandb="disabled", progress=False, seed=0))
-    info = {"demos": n_demos, "train_steps": steps, "train_seconds": time.time() - t,
+    info = {"demos": n_demos, "dart_noise": dart_noise, "train_steps": steps, "train_seconds": time.time() - t,
             "train_samples_per_s": s.get("samples_per_s"), "data": str(data.relative_to(ROOT))}
     info_path.write_text(json.dumps(info))
     log(f"trained {task}: {info}")
@@ -123,8 +124,8 @@ def choose(runs: list[dict], kind: str = "joint_limits") -> dict:
 
 
 def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
-             methods: tuple[str, ...] = ()) -> tuple[dict, dict, dict]:
-    pol, info = policy_for(task, log)
+             methods: tuple[str, ...] = (), dart_noise: float = 0.0) -> tuple[dict, dict, dict]:
+    pol, info = policy_for(task, log, dart_noise)
     env_id = f"adroit/{task}"
     pool = [envs.make(env_id) for _ in range(episodes)]
     sweep: dict[str, list[dict]] = {}
@@ -158,7 +159,8 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
         if kind != "keepout" or (methods and name not in methods):
             continue
         method, options, _ = configs[base]
-        r = one(name, f"{method}+check", options, best[base]["scale"] if base in best else _stored_scale(task, base))
+        r = one(name, f"{method}+check", options,
+                best[base]["scale"] if base in best else _stored_scale(task, base, _section(kind, dart_noise)))
         sweep[name] = [r]
         best[name] = r
     for e in pool:
@@ -175,9 +177,14 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
     return best, sweep, meta
 
 
-def _stored_scale(task: str, base: str) -> float:
+def _section(kind: str, dart_noise: float = 0.0) -> str:
+    """The guidance.json section (and results file stem) of a run: adroit, adroit_keepout, ..._dart."""
+    return ("adroit" if kind == "joint_limits" else "adroit_keepout") + ("_dart" if dart_noise else "")
+
+
+def _stored_scale(task: str, base: str, section: str = "adroit_keepout") -> float:
     """The keep-out scale guidance.json chose for ``base`` on ``task``."""
-    stored = json.loads((RESULTS / "guidance.json").read_text()).get("adroit_keepout", {}).get(task, {})
+    stored = json.loads((RESULTS / "guidance.json").read_text()).get(section, {}).get(task, {})
     if base not in stored:
         raise SystemExit(f"no stored adroit_keepout row {base!r} for {task}: run --methods {base} too")
     return float(stored[base]["scale"])
@@ -250,10 +257,10 @@ def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str,
     return "\n".join(out)
 
 
-def merged(best: dict, sweep: dict, kind: str, episodes: int) -> tuple[dict, dict]:
+def merged(best: dict, sweep: dict, kind: str, episodes: int, dart_noise: float = 0.0) -> tuple[dict, dict]:
     """This run's rows over those already in guidance.json for the same tasks and episodes (a
     ``--methods`` run adds or replaces its methods' rows)."""
-    sec = "adroit" if kind == "joint_limits" else "adroit_keepout"
+    sec = _section(kind, dart_noise)
     path = RESULTS / "guidance.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     if old.get(f"{sec}_meta", {}).get("episodes") != episodes:
@@ -266,17 +273,19 @@ def merged(best: dict, sweep: dict, kind: str, episodes: int) -> tuple[dict, dic
     return out_b, out_s
 
 
-def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: str = "joint_limits") -> None:
-    """Merge the "adroit" (or "adroit_keepout") sections into guidance.json (other sections kept), atomically."""
-    sec = "adroit" if kind == "joint_limits" else "adroit_keepout"
+def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: str = "joint_limits",
+         dart_noise: float = 0.0) -> None:
+    """Merge the "adroit" (or "adroit_keepout", ..."_dart") sections into guidance.json (other sections kept),
+    atomically."""
+    sec = _section(kind, dart_noise)
     merge_json(RESULTS / "guidance.json", {
         sec: {t: {m: {k: r.get(k) for k in KEYS} for m, r in ms.items()} for t, ms in best.items()},
         f"{sec}_sweep": {t: {m: [{k: r.get(k) for k in KEYS} for r in runs] for m, runs in ms.items()}
                          for t, ms in sweep.items()},
         f"{sec}_meta": {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHTS[kind],
                         "tol": TOL if kind == "joint_limits" else KeepOut.tol,
-                        "machine": machine(), "threads": torch.get_num_threads()}})
-    md = RESULTS / ("guidance_adroit.md" if kind == "joint_limits" else "guidance_adroit_keepout.md")
+                        "dart_noise": dart_noise, "machine": machine(), "threads": torch.get_num_threads()}})
+    md = RESULTS / f"guidance_{sec}.md"
     tmp_md = md.with_suffix(".md.tmp")
     tmp_md.write_text(text)
     os.replace(tmp_md, md)
@@ -289,6 +298,9 @@ def main() -> None:
                     help="default: every task of --kind (keepout: door, relocate)")
     ap.add_argument("--episodes", type=int, default=20)
     ap.add_argument("--no-write", action="store_true", help="print only; keep the result files")
+    ap.add_argument("--dart-noise", type=float, default=0.0,
+                    help="> 0: policies trained on DART demos (expert labels, noisy execution), written to the "
+                         "'<section>_dart' sections and guidance_<section>_dart.md")
     ap.add_argument("--methods", nargs="*", default=(),
                     help="only these configs (default: all); their rows are added to (or replace) those in "
                          "guidance.json when the episode count matches")
@@ -311,14 +323,15 @@ def main() -> None:
         ap.error(f"--methods {orphans} need their base method in the same run: add "
                  f"{sorted({CLIPPED[m] for m in orphans})}")
     for task in tasks:
-        best[task], sweep[task], meta[task] = run_task(task, a.episodes, kind=a.kind, methods=tuple(a.methods))
+        best[task], sweep[task], meta[task] = run_task(task, a.episodes, kind=a.kind, methods=tuple(a.methods),
+                                                       dart_noise=a.dart_noise)
     if a.methods:
-        best, sweep = merged(best, sweep, a.kind, a.episodes)
+        best, sweep = merged(best, sweep, a.kind, a.episodes, a.dart_noise)
     tab = keepout_table if a.kind == "keepout" else table
     text = tab(best, meta, sweep, a.episodes) + f"\nTotal wall time {time.time() - t0:.0f} s.\n"
     print(text)
     if not a.no_write:
-        save(best, sweep, meta, a.episodes, text, a.kind)
+        save(best, sweep, meta, a.episodes, text, a.kind, a.dart_noise)
 
 
 if __name__ == "__main__":
