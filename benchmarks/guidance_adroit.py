@@ -9,7 +9,9 @@ scale sweep of two decades, plus coupled+clip and coupled_prox+clip (guided, the
 their method's chosen scale; every run on the same episodes (seeds) and the same sampler noise. Keep-out
 adds ``<method>+check`` rows (coupled, coupled_prox, pnp_renoise, guided_particles4): each chunk's predicted
 palm path is checked before it runs, 8 guided candidates replace a failing one, the safety filter is the
-last line; at the base method's chosen scale (this run's, else the one in guidance.json).
+last line; at the base method's chosen scale (this run's, else the one in guidance.json). ``--dart-noise X``
+trains the policies on DART demos instead and writes the ``_dart`` sections (adroit_keepout_dart, ...) and
+guidance_adroit_keepout_dart.md (guidance_adroit_dart.md for joint limits).
 Per method the reported scale is the one with the lowest violation rate, ties broken by
 success. Writes the "adroit", "adroit_sweep" and "adroit_meta" sections of
 benchmarks/results/guidance.json (other sections kept) and benchmarks/results/guidance_adroit.md;
@@ -179,7 +181,8 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
 
 def _section(kind: str, dart_noise: float = 0.0) -> str:
     """The guidance.json section (and results file stem) of a run: adroit, adroit_keepout, ..._dart."""
-    return ("adroit" if kind == "joint_limits" else "adroit_keepout") + ("_dart" if dart_noise else "")
+    plain, dart = ("adroit", "adroit_dart") if kind == "joint_limits" else ("adroit_keepout", "adroit_keepout_dart")
+    return dart if dart_noise else plain
 
 
 def _stored_scale(task: str, base: str, section: str = "adroit_keepout") -> float:
