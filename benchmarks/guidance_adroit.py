@@ -189,7 +189,7 @@ def _stored_scale(task: str, base: str, section: str = "adroit_keepout") -> floa
     """The keep-out scale guidance.json chose for ``base`` on ``task``."""
     stored = json.loads((RESULTS / "guidance.json").read_text()).get(section, {}).get(task, {})
     if base not in stored:
-        raise SystemExit(f"no stored adroit_keepout row {base!r} for {task}: run --methods {base} too")
+        raise SystemExit(f"no stored {section} row {base!r} for {task}: run --methods {base} too")
     return float(stored[base]["scale"])
 
 

@@ -74,6 +74,13 @@ class Row:
 # robot holds for a step when they fail; `_fast` rows take 5 flow steps instead of 10 to fit 2x the
 # unguided chunk time.
 ARM = {"body": LINKS, "margin": 0.03, "goal_weight": 100.0, "scales": (10.0, 30.0, 100.0)}
+
+
+def _trust_fast(check: ChunkCheck, **kw: Any) -> Row:
+    """An arm row with the trust-region step over 5 flow steps, the chunk sent chosen by ``check``."""
+    return Row("coupled", {"step": "trust", "radius": 3.0}, check=check, n_steps=5, **ARM, **kw)
+
+
 CONFIGS: dict[str, Row] = {
     "coupled": Row("coupled"), "coupled_jacobian_ls": Row("coupled", {"sigma": "jacobian"}),
     "coupled_linear": Row("coupled", {"step": "linear"}),
@@ -82,25 +89,18 @@ CONFIGS: dict[str, Row] = {
     "coupled_body": Row("coupled", **ARM),
     "coupled_body_checked": Row("coupled", check=ChunkCheck(), **ARM),
     "coupled_fast_checked": Row("coupled", check=ChunkCheck(), n_steps=5, **ARM),
-    "coupled_trust_fast_checked": Row("coupled", {"step": "trust", "radius": 3.0}, check=ChunkCheck(), n_steps=5,
-                                      **ARM),
-    "coupled_trust_fast_retry": Row("coupled", {"step": "trust", "radius": 3.0}, check=ChunkCheck(retries=1),
-                                    n_steps=5, **ARM),
+    "coupled_trust_fast_checked": _trust_fast(ChunkCheck()),
+    "coupled_trust_fast_retry": _trust_fast(ChunkCheck(retries=1)),
     # the recommended row's two failure modes, one fix each and both: a goal with less room than the margin
     # (the arm hovers where the goal's pull and the margin balance), and a state where the one guided sample
     # fails the check at every plan (a hold leaves the state, so the next sample fails alike)
-    "coupled_trust_fast_goal_margin": Row("coupled", {"step": "trust", "radius": 3.0}, check=ChunkCheck(), n_steps=5,
-                                          margin_to_goal=True, **ARM),
-    "coupled_trust_fast_retry8": Row("coupled", {"step": "trust", "radius": 3.0},
-                                     check=ChunkCheck(retries=1, retry_candidates=8), n_steps=5, **ARM),
-    "coupled_trust_fast_goal_margin_retry8": Row("coupled", {"step": "trust", "radius": 3.0},
-                                                 check=ChunkCheck(retries=1, retry_candidates=8), n_steps=5,
-                                                 margin_to_goal=True, **ARM),
+    "coupled_trust_fast_goal_margin": _trust_fast(ChunkCheck(), margin_to_goal=True),
+    "coupled_trust_fast_retry8": _trust_fast(ChunkCheck(retries=1, retry_candidates=8)),
+    "coupled_trust_fast_goal_margin_retry8": _trust_fast(ChunkCheck(retries=1, retry_candidates=8), margin_to_goal=True),
     # ... and the check's coast, as the deploy defaults have it: a hold after a chunk that ends heading into an
     # obstacle lets the arm drift on into it (the one collision of the row above in 200 episodes)
-    "coupled_trust_fast_goal_margin_retry8_coast": Row("coupled", {"step": "trust", "radius": 3.0},
-                                                       check=ChunkCheck(retries=1, retry_candidates=8), n_steps=5,
-                                                       margin_to_goal=True, coast=ArmGuidance.coast, **ARM),
+    "coupled_trust_fast_goal_margin_retry8_coast": _trust_fast(ChunkCheck(retries=1, retry_candidates=8),
+                                                               margin_to_goal=True, coast=ArmGuidance.coast),
     "state_gradient_fast_checked": Row("state_gradient", check=ChunkCheck(), n_steps=5, **ARM),
     "best_of_8_checked": Row("none", check=ChunkCheck(candidates=8), **{**ARM, "scales": (0.0,)}),
 }

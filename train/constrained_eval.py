@@ -621,6 +621,7 @@ def _check_chunks(policy: Any, constraint: KeepOut, pool: list, obs: list, idx: 
     filter. Returns (episodes retried, episodes filtered, seconds spent)."""
     t0 = time.perf_counter()
     ok = constraint.passes(executed, [pool[i] for i in idx])
+    filtered[idx] = False
     retried = fell_back = 0
     for row in np.flatnonzero(~ok):
         episode = int(idx[row])
@@ -631,12 +632,10 @@ def _check_chunks(policy: Any, constraint: KeepOut, pool: list, obs: list, idx: 
         cand, _, _ = sample_chunks(policy, [obs[episode]] * CHECK_RETRY, guide, noise)
         good = np.flatnonzero(constraint.passes(cand[:, :n_exec], many))
         if good.size:
-            queues[episode], filtered[episode] = list(cand[good[0], :n_exec]), False
+            queues[episode] = list(cand[good[0], :n_exec])
         else:
             filtered[episode] = True
             fell_back += 1
-    for row in np.flatnonzero(ok):
-        filtered[int(idx[row])] = False
     return retried, fell_back, time.perf_counter() - t0
 
 
