@@ -190,3 +190,65 @@ def test_the_hard_check_passes_only_plans_clear_of_the_ball(door_policy):
         ce.evaluate_constrained(door_policy, "adroit/door", "coupled+check", 1.0, episodes=1)
     for e in pool + [env]:
         e.close()
+
+
+def test_the_monitor_replans_a_queue_that_no_longer_clears(door_policy):
+    """Before each command of a checked rollout the next commands are re-checked from the measured state: a
+    queue whose path crosses the ball is replaced by guided commands that clear it (or handed to the filter),
+    and a queue that clears is left alone."""
+    ko = ce.KEEPOUTS["door"]
+    env, obs_list, pool = _on_the_way_up(range(2))
+    ko.bind(env)
+    noise = torch.randn(len(obs_list), door_policy.config.horizon, door_policy.config.action_dim,
+                        generator=torch.Generator().manual_seed(0))
+    chunks, _, _ = ce.sample_chunks(door_policy, obs_list, None, noise)
+    crossing = np.flatnonzero(~ko.passes(chunks[:, :ko.lookahead], pool))
+    assert crossing.size, "some unguided plans should cross the ball on the way up"
+    guide = ce.make_guide(door_policy, ko, "coupled", 10.0, weight=1e4)
+    gen = torch.Generator().manual_seed(1)
+    for row in crossing:
+        queue = list(chunks[row, :6])
+        fresh, replanned, filtered = ce._monitor(door_policy, ko, pool[row], obs_list[row], guide, queue, gen)
+        assert replanned
+        if not filtered:
+            assert len(fresh) == len(queue) and ko.passes(np.asarray(fresh)[None], [pool[row]])[0]
+    clear = np.flatnonzero(ko.passes(chunks[:, :ko.lookahead], pool))
+    for row in clear:
+        queue = list(chunks[row, :6])
+        assert ce._monitor(door_policy, ko, pool[row], obs_list[row], guide, queue, gen) == (queue, False, False)
+    for e in pool + [env]:
+        e.close()
+
+
+def test_detour_demos_detour_and_record_the_experts_own_action(tmp_path):
+    """``collect --detours``: per episode a ball on the expert's path, clear of the evaluation ball; the palm
+    stays out of it (the filter executed), and every recorded action is the expert's own at that state."""
+    import h5py
+    import json
+    out = tmp_path / "detours.h5"
+    collect(CollectArgs(env="adroit/door", episodes=2, out=out, seed=0, progress=False, detours=True))
+    test_ball = ce.KEEPOUTS["door"]
+    env = envs.make("adroit/door")
+    expert = env.make_expert()
+    with h5py.File(out) as f:
+        meta = json.loads(f.attrs["meta"])
+        balls = meta["detour_balls"]
+        assert meta["detours"] and len(balls) == 2
+        for ball, key in zip(balls, sorted(f["episodes"])):
+            c = np.asarray(ball["center"])
+            assert np.linalg.norm(c - np.asarray(test_ball.center)) >= ball["radius"] + test_ball.radius
+            ep = f["episodes"][key]
+            assert ep["success"][-1]
+            env.reset(seed=ball["seed"])
+            for t in range(len(ep["action"])):
+                env.set_sim_state(ep["sim_state"][t])
+                palm = env.unwrapped_mujoco.data.site("S_grasp").xpos
+                assert np.linalg.norm(palm - c) > ball["radius"] - test_ball.tol, (key, t)
+                np.testing.assert_allclose(ep["action"][t], expert.act({"state": ep["state"][t]}), atol=1e-5)
+    env.close()
+    with pytest.raises(InvalidOptionError, match="--dart-noise"):
+        collect(CollectArgs(env="adroit/door", episodes=1, out=tmp_path / "x.h5", progress=False, detours=True,
+                            dart_noise=0.1))
+    with pytest.raises(InvalidOptionError, match="Adroit"):
+        collect(CollectArgs(env="maniskill/PushCube-v1", episodes=1, out=tmp_path / "y.h5", progress=False,
+                            detours=True))

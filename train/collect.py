@@ -50,6 +50,10 @@ class CollectArgs:
     """DART (Laskey et al. 2017): execute the expert action plus N(0, dart_noise^2) (clipped to the
     action space) but record the clean expert action, so demos visit states off the expert's path
     and show how to get back; for policies that must recover from a detour (guided collision runs)"""
+    detours: bool = False
+    """Adroit: each episode the expert runs through the keep-out safety filter around a random ball on its
+    own path (never overlapping the task's evaluation ball) and its own action is recorded, so demos show
+    how to finish after a detour (train/detour_demos.py); the balls are in the dataset's meta"""
     randomize: tuple[str, ...] = ()
     """domain randomization of what the cameras see, 'FAMILY=MAGNITUDE' (envs/perturbations.py), each
     episode drawing up to that magnitude: e.g. camera=0.08 (metres, and 100x that in degrees of turn;
@@ -134,6 +138,9 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
     if args.dart_noise < 0:
         raise InvalidOptionError(f"--dart-noise must be >= 0, got {args.dart_noise}")
     meta["dart_noise"] = args.dart_noise
+    detours = _detours(args, env, expert, student)
+    meta["detours"] = args.detours
+    balls: list[dict] = []
     meta["state_layout"] = env.unwrapped.state_layout
     dart_rng = np.random.default_rng(args.seed + 7919)
     low, high = env.action_space.low, env.action_space.high
@@ -148,6 +155,9 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
             task = tasks[written % len(tasks)]
             seed = args.seed + attempts
             attempts += 1
+            ball = detours.ball(seed) if detours is not None else None
+            if detours is not None and ball is None:
+                continue
             obs, info = env.reset(seed=seed, options={"task_id": task.task_id} if task else None)
             expert.reset(env, obs)
             if student is not None:
@@ -162,6 +172,8 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
                 else:
                     executed = action if args.dart_noise == 0 else np.clip(
                         action + dart_rng.normal(0, args.dart_noise, action.shape), low, high).astype(action.dtype)
+                if ball is not None:
+                    executed = ball.filter(executed, env)
                 nobs, reward, term, trunc, info = env.step(executed)
                 buf.add(obs, action, reward, info["success"], sim)
                 obs = nobs
@@ -173,6 +185,8 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
             if ep.succeeded or args.keep_failures or student is not None:
                 writer.add(ep)
                 written += 1
+                if ball is not None:
+                    balls.append({"seed": seed, "center": list(ball.center), "radius": ball.radius})
                 layout = _episode_layout(env)
                 if layout is not None:
                     episode_layouts.append(layout)
@@ -182,6 +196,8 @@ def collect(args: CollectArgs, on_episode: Callable[[int], None] | None = None) 
             bar.set_postfix(success=f"{successes}/{attempts}")
         if episode_layouts:
             meta["episode_layouts"] = episode_layouts
+        if balls:
+            meta["detour_balls"] = balls
         writer.f.attrs["meta"] = __import__("json").dumps({**meta, "attempts": attempts, "expert_successes": successes})
     bar.close()
     env.close()
@@ -209,6 +225,17 @@ def _student(args: CollectArgs, env: Any, expert: Any) -> Any:
     student = policies.load(args.student, to_act=True)
     check_compatible(student, env)
     return student
+
+
+def _detours(args: CollectArgs, env: Any, expert: Any, student: Any) -> Any:
+    """The per-episode balls of ``--detours`` (None without it)."""
+    if not args.detours:
+        return None
+    if args.dart_noise or student is not None:
+        raise InvalidOptionError("--detours records the expert detouring on its own; it does not combine with "
+                                 "--dart-noise or --student")
+    from train.detour_demos import DetourBalls
+    return DetourBalls(env, expert, args.seed)
 
 
 def _episode_layout(env: Any) -> str | None:

@@ -39,11 +39,15 @@ joint or the palm inside it, and the other way round.
 Methods: ``none`` (unguided), ``clip`` (unguided, then the executed action is clamped / filtered
 -- what a user tries first), any cost-guidance method of ``guidance.METHODS`` (``coupled``,
 ``velocity_gradient``, ``state_gradient``, ``pnp_renoise``), and ``<method>+clip`` (guided, then
-clamped / filtered).
+clamped / filtered). Keep-out only: ``<method>+check`` (guided, each chunk's predicted palm path checked
+before it runs and, before each command, the next ``lookahead`` commands re-checked from the measured joint
+state; a failing plan is replaced by guided candidates drawn from where the robot is, the filter is the last
+line).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -330,6 +334,16 @@ class KeepOut:
         finally:
             fit_env.close()
 
+    def moved(self, center: Sequence[float], radius: float, why: str = "") -> "KeepOut":
+        """A ball elsewhere on the same task, sharing this one's fitted servo model and kinematics (bind first):
+        what detour demos (``train.detour_demos``) draw per episode without refitting the model."""
+        if getattr(self, "servo", None) is None:
+            raise InvalidOptionError(f"KeepOut({self.task}).moved: bind it to an env first")
+        other = copy.copy(self)
+        other.center, other.radius, other.why = tuple(float(c) for c in center), float(radius), why or self.why
+        other.center_t = torch.as_tensor(other.center, dtype=torch.float32)
+        return other
+
     def equilibrium_qpos(self, actions: Tensor) -> Tensor:
         """Joint positions (..., nq) the servos pull toward for ``actions`` (..., A) (action units);
         joints that do not move the palm stay at ``qpos0``. Not clamped to the joint range: past it
@@ -532,7 +546,8 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
     """Lockstep rollouts of ``episodes`` envs of ``pool``; raw per-episode arrays and counters. ``checked``
     (keep-out): each chunk's executed steps must pass ``KeepOut.passes``; an episode whose chunk fails draws
     ``CHECK_RETRY`` guided candidates at once and runs the first that passes, or, when none does, runs
-    its chunk through the safety filter (the last line)."""
+    its chunk through the safety filter (the last line); before each command ``_monitor`` re-checks the
+    queue from the measured state and re-plans from there when it no longer clears."""
     constraint.bind(pool[0])
     adim = pool[0].action_space.shape[0]
     if int(policy.config.action_dim) != adim:
@@ -558,7 +573,7 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
     queues: list[list[np.ndarray]] = [[] for _ in range(episodes)]
     filtered = np.zeros(episodes, bool)  # this chunk runs through the safety filter (no candidate passed)
     retry_gen = torch.Generator().manual_seed(int(seed) + 1)  # retries leave the shared noise stream alone
-    retried = fell_back = 0
+    retried = fell_back = monitor_replans = monitor_filtered = 0
     max_steps = max(e.max_episode_steps for e in pool)
     for step in range(max_steps):
         idx = np.flatnonzero(active)
@@ -586,6 +601,13 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
                                         filtered, n_exec, retry_gen)
                 retried, fell_back, t_batched = retried + r, fell_back + f, t_batched + t
         for episode in np.flatnonzero(active):
+            if checked and not filtered[episode]:
+                t_mon = time.perf_counter()
+                queues[episode], replanned, filtered[episode] = _monitor(policy, constraint, pool[episode],
+                                                                         obs[episode], guide, queues[episode], retry_gen)
+                monitor_replans += replanned
+                monitor_filtered += filtered[episode]
+                t_batched += time.perf_counter() - t_mon  # the robot waits for it: counted in the chunk time
             action = queues[episode].pop(0)
             if clip or (checked and filtered[episode]):
                 action = constraint.filter(action, pool[episode])
@@ -610,7 +632,26 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
     return {"success": success, "steps": steps, "nonfinite": nonfinite, "a_max": a_max, "a_sum": a_sum, "q_max": q_max,
             "chunk_viol": chunk_viol, "chunk_entries": chunk_entries, "nfe": nfe, "n_backward": n_backward,
             "calls": calls, "n_chunks": n_chunks, "t_batched": t_batched, "latency": latency, "width": width,
-            "retried": retried, "fell_back": fell_back}
+            "retried": retried, "fell_back": fell_back, "monitor_replans": monitor_replans, "monitor_filtered": monitor_filtered}
+
+
+def _step_clear(constraint: KeepOut, action_queue: list, env: Any) -> bool:
+    """The palm path the servo model predicts for the next ``lookahead`` queued commands from the robot's
+    current joint state clears the ball (``KeepOut.passes``)."""
+    ahead = np.asarray(action_queue[:constraint.lookahead])[None]
+    return bool(constraint.passes(ahead, [env])[0])
+
+
+def _passing_candidate(policy: Any, constraint: KeepOut, env: Any, observation: dict,
+                       guide: guidance.Guidance | None, n: int, gen: torch.Generator) -> list | None:
+    """``CHECK_RETRY`` guided candidates for one robot from where it is now: the first ``n`` commands of the
+    first whose path passes the check, or None (then the filter)."""
+    many = [env] * CHECK_RETRY
+    constraint.before_sample(None if guide is None else guide.cost, many)
+    noise = torch.randn(CHECK_RETRY, int(policy.config.horizon), int(policy.config.action_dim), generator=gen)
+    cand, _, _ = sample_chunks(policy, [observation] * CHECK_RETRY, guide, noise)
+    good = np.flatnonzero(constraint.passes(cand[:, :n], many))
+    return list(cand[good[0], :n]) if good.size else None
 
 
 def _check_chunks(policy: Any, constraint: KeepOut, pool: list, obs: list, idx: np.ndarray, executed: np.ndarray,
@@ -622,21 +663,29 @@ def _check_chunks(policy: Any, constraint: KeepOut, pool: list, obs: list, idx: 
     t0 = time.perf_counter()
     ok = constraint.passes(executed, [pool[i] for i in idx])
     filtered[idx] = False
-    retried = fell_back = 0
+    fell_back = 0
     for row in np.flatnonzero(~ok):
         episode = int(idx[row])
-        retried += 1
-        many = [pool[episode]] * CHECK_RETRY
-        constraint.before_sample(None if guide is None else guide.cost, many)
-        noise = torch.randn(CHECK_RETRY, int(policy.config.horizon), executed.shape[-1], generator=gen)
-        cand, _, _ = sample_chunks(policy, [obs[episode]] * CHECK_RETRY, guide, noise)
-        good = np.flatnonzero(constraint.passes(cand[:, :n_exec], many))
-        if good.size:
-            queues[episode] = list(cand[good[0], :n_exec])
+        queue = _passing_candidate(policy, constraint, pool[episode], obs[episode], guide, n_exec, gen)
+        if queue is not None:
+            queues[episode] = queue
         else:
             filtered[episode] = True
             fell_back += 1
-    return retried, fell_back, time.perf_counter() - t0
+    return int((~ok).sum()), fell_back, time.perf_counter() - t0
+
+
+def _monitor(policy: Any, constraint: KeepOut, env: Any, observation: dict, guide: guidance.Guidance | None,
+             queue: list, gen: torch.Generator) -> tuple[list, bool, bool]:
+    """The per-step monitor of a checked rollout. A chunk is checked once, from where it starts, and the servo
+    model's error grows along it (median 3 cm after 8 relocate commands), so before each command the path of
+    the next ``lookahead`` queued commands is re-checked from the robot's measured joint state. When it no
+    longer clears, the robot re-plans from here (guided candidates for the rest of the chunk); the filter
+    only when none passes. Returns (queue, re-planned, filter from now)."""
+    if _step_clear(constraint, queue, env):
+        return queue, False, False
+    fresh = _passing_candidate(policy, constraint, env, observation, guide, len(queue), gen)
+    return (queue, True, True) if fresh is None else (fresh, True, False)
 
 
 def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: float = 0.0, episodes: int = 20,
@@ -703,7 +752,9 @@ def evaluate_constrained(policy: Any, env_id: str, method: str = "none", scale: 
             "ms_per_chunk": 1000 * float(np.median(latency)) if latency else None,
             "ms_per_chunk_batched": 1000 * t_batched / max(n_chunks, 1),
             **({"retried_per_chunk": raw["retried"] / max(n_chunks, 1),
-                "filtered_per_chunk": raw["fell_back"] / max(n_chunks, 1)} if checked else {})}
+                "filtered_per_chunk": raw["fell_back"] / max(n_chunks, 1),
+                "monitor_replans_per_chunk": raw["monitor_replans"] / max(n_chunks, 1),
+                "monitor_filtered_per_chunk": raw["monitor_filtered"] / max(n_chunks, 1)} if checked else {})}
 
 
 __all__ = ["CONSTRAINTS", "KEEPOUTS", "KINDS", "METHODS", "GUIDED_METHODS", "AdroitConstraint", "JointLimit",
