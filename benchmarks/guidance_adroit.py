@@ -8,10 +8,14 @@ coupled_prox (converged prox step) / velocity_gradient / state_gradient / pnp_re
 scale sweep of two decades, plus coupled+clip and coupled_prox+clip (guided, then clamped) at
 their method's chosen scale; every run on the same episodes (seeds) and the same sampler noise. Keep-out
 adds ``<method>+check`` rows (coupled, coupled_prox, pnp_renoise, guided_particles4): each chunk's predicted
-palm path is checked before it runs, 8 guided candidates replace a failing one, the safety filter is the
-last line; at the base method's chosen scale (this run's, else the one in guidance.json). ``--dart-noise X``
-trains the policies on DART demos instead and writes the ``_dart`` sections (adroit_keepout_dart, ...) and
-guidance_adroit_keepout_dart.md (guidance_adroit_dart.md for joint limits).
+palm path is checked before it runs, 8 guided candidates replace a failing one, before each command the next
+4 are re-checked from the measured state (a re-plan when they no longer clear), the safety filter is the
+last line; at the base method's chosen scale (this run's, else the one in guidance.json). The unguided and
+``+check`` rows run again on episodes 5000.. (``recheck_*`` fields), and the section names the recommended
+row. ``--dart-noise X`` trains the policies on DART demos instead and writes the ``_dart`` sections
+(adroit_keepout_dart, ...) and guidance_adroit_keepout_dart.md (guidance_adroit_dart.md for joint limits);
+``--detours`` trains them on the expert's demos plus as many detour demos (train/detour_demos.py) and writes
+adroit_keepout_detours and guidance_adroit_keepout_detours.md.
 Per method the reported scale is the one with the lowest violation rate, ties broken by
 success. Writes the "adroit", "adroit_sweep" and "adroit_meta" sections of
 benchmarks/results/guidance.json (other sections kept) and benchmarks/results/guidance_adroit.md;
@@ -26,13 +30,16 @@ method can keep out by freezing, so the lowest-violation rule would pick useless
     .venv/bin/python benchmarks/guidance_adroit.py --tasks door --episodes 5 --no-write
     .venv/bin/python benchmarks/guidance_adroit.py --kind keepout --episodes 50 --methods particles4   # adds rows
     .venv/bin/python benchmarks/guidance_adroit.py --kind keepout --episodes 50 --methods coupled+check \
-        coupled_prox+check pnp_renoise+check guided_particles4+check                                 # ~5 min
+        coupled_prox+check pnp_renoise+check guided_particles4+check                                 # ~15 min
+    .venv/bin/python benchmarks/guidance_adroit.py --kind keepout --episodes 50 --detours --methods none coupled \
+        coupled_prox coupled+check coupled_prox+check                                                # ~25 min
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 import os
 import sys
 import time
@@ -96,22 +103,42 @@ WEIGHT = 100.0  # LimitCost weight, nats per action-unit^2 (0.1 outside the limi
 WEIGHTS = {"joint_limits": WEIGHT, "keepout": 1e4}
 KIND_TASKS = {"joint_limits": list(TASKS), "keepout": list(KEEPOUTS)}
 SEED = 3000
+RECHECK_SEED = 5000
+"""keep-out: the unguided and the ``+check`` rows run again on episodes 5000.. (their ``recheck_*`` fields), as a
+re-check of the chosen scales on episodes the choice never saw"""
+RECHECKED = ("none", *CHECKED)
 
 
-def policy_for(task: str, log=print, dart_noise: float = 0.0) -> tuple[Any, dict]:
+@dataclass(frozen=True)
+class Demos:
+    """What the policies are cloned from: the expert's demos, DART demos (``dart_noise`` > 0) or, added to the
+    expert's, as many detour demos (``detours``: train/detour_demos.py)."""
+
+    dart_noise: float = 0.0
+    detours: bool = False
+
+    @property
+    def suffix(self) -> str:
+        """Of the policy's run directory and of the results sections: "", "_dart0.1", "_detours"."""
+        return f"_dart{self.dart_noise:g}" if self.dart_noise else "_detours" if self.detours else ""
+
+
+def policy_for(task: str, log=print, source: Demos = Demos()) -> tuple[Any, dict]:
     """Train (or reuse) the tiny flow policy of ``task`` (``dart_noise`` > 0: on DART demos, the expert's labels
     under noisy execution, so the policy has seen states off the expert's path)."""
     n_demos, steps = TASKS[task]
-    data = demos(f"adroit/{task}", n_demos, **({"dart_noise": dart_noise} if dart_noise else {}))
-    out = RUNS / (f"{task}_dart{dart_noise:g}" if dart_noise else task)
+    data = demos(f"adroit/{task}", n_demos, **({"dart_noise": source.dart_noise} if source.dart_noise else {}))
+    files = (data, demos(f"adroit/{task}", n_demos, detours=True)) if source.detours else (data,)
+    out = RUNS / f"{task}{source.suffix}"
     info_path = out / "bench_train.json"
     if (out / "ckpt").exists() and info_path.exists():
         return policies.load(out / "ckpt"), json.loads(info_path.read_text())
     t = time.time()
-    s = train(TrainArgs(data=(data,), policy="flow", steps=steps, batch_size=64, horizon=16, n_exec=8, out=out,
+    s = train(TrainArgs(data=files, policy="flow", steps=steps, batch_size=64, horizon=16, n_exec=8, out=out,
                         wandb="disabled", progress=False, seed=0))
-    info = {"demos": n_demos, "dart_noise": dart_noise, "train_steps": steps, "train_seconds": time.time() - t,
-            "train_samples_per_s": s.get("samples_per_s"), "data": str(data.relative_to(ROOT))}
+    info = {"demos": n_demos, "dart_noise": source.dart_noise, "detour_demos": n_demos if source.detours else 0,
+            "train_steps": steps, "train_seconds": time.time() - t, "train_samples_per_s": s.get("samples_per_s"),
+            "data": " + ".join(str(f.relative_to(ROOT)) for f in files)}
     info_path.write_text(json.dumps(info))
     log(f"trained {task}: {info}")
     return policies.load(out / "ckpt"), info
@@ -126,19 +153,19 @@ def choose(runs: list[dict], kind: str = "joint_limits") -> dict:
 
 
 def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
-             methods: tuple[str, ...] = (), dart_noise: float = 0.0) -> tuple[dict, dict, dict]:
-    pol, info = policy_for(task, log, dart_noise)
+             methods: tuple[str, ...] = (), source: Demos = Demos()) -> tuple[dict, dict, dict]:
+    pol, info = policy_for(task, log, source)
     env_id = f"adroit/{task}"
     pool = [envs.make(env_id) for _ in range(episodes)]
     sweep: dict[str, list[dict]] = {}
     best: dict[str, dict] = {}
 
-    def one(name: str, method: str, options: dict, scale: float) -> dict:
+    def one(name: str, method: str, options: dict, scale: float, seed: int = SEED) -> dict:
         t = time.time()
-        r = evaluate_constrained(pol, env_id, method, scale, episodes, seed=SEED, weight=WEIGHTS[kind], options=options,
+        r = evaluate_constrained(pol, env_id, method, scale, episodes, seed=seed, weight=WEIGHTS[kind], options=options,
                                  env_pool=pool, kind=kind)
         r["config"], r["wall_s"] = name, time.time() - t
-        log(f"{task:8s} {name:18s} scale={scale:<6g} success={r['success_rate']:.2f} violation={r['violation_rate']:.2f} "
+        log(f"{task:8s} {name:18s} seed={seed} scale={scale:<6g} success={r['success_rate']:.2f} violation={r['violation_rate']:.2f} "
             f"clean={r['clean_success_rate']:.2f} state_violation={r['state_violation_rate']:.2f} "
             f"max_state_excess={r['state_violation_max']:.4f} mean_excess={r['violation_mean']:.4f} "
             f"ms/chunk={r['ms_per_chunk']:.1f} ({r['wall_s']:.0f}s)")
@@ -162,9 +189,14 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
             continue
         method, options, _ = configs[base]
         r = one(name, f"{method}+check", options,
-                best[base]["scale"] if base in best else _stored_scale(task, base, _section(kind, dart_noise)))
+                best[base]["scale"] if base in best else _stored_scale(task, base, _section(kind, source)))
         sweep[name] = [r]
         best[name] = r
+    for name in RECHECKED if kind == "keepout" else ():
+        if name in best:
+            method = best[name]["method"]
+            again = one(name, method, best[name]["options"], best[name]["scale"], RECHECK_SEED)
+            best[name].update({f"recheck_{k}": again[k] for k in RECHECK_KEYS})
     for e in pool:
         e.close()
     if kind == "keepout":
@@ -179,10 +211,18 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
     return best, sweep, meta
 
 
-def _section(kind: str, dart_noise: float = 0.0) -> str:
-    """The guidance.json section (and results file stem) of a run: adroit, adroit_keepout, ..._dart."""
-    plain, dart = ("adroit", "adroit_dart") if kind == "joint_limits" else ("adroit_keepout", "adroit_keepout_dart")
-    return dart if dart_noise else plain
+SECTIONS = {("joint_limits", ""): "adroit", ("joint_limits", "_dart"): "adroit_dart",
+            ("keepout", ""): "adroit_keepout", ("keepout", "_dart"): "adroit_keepout_dart",
+            ("keepout", "_detours"): "adroit_keepout_detours"}
+"""(kind, demos) -> the guidance.json section and results file stem (guidance_<section>.md) of a run"""
+
+
+def _section(kind: str, source: Demos = Demos()) -> str:
+    """The guidance.json section (and results file stem) of a run: adroit, adroit_keepout, ..._dart, ..._detours."""
+    key = (kind, source.suffix if not source.dart_noise else "_dart")
+    if key not in SECTIONS:
+        raise SystemExit(f"no {kind} runs on {source}: detour demos are for the keep-out (--kind keepout)")
+    return SECTIONS[key]
 
 
 def _stored_scale(task: str, base: str, section: str = "adroit_keepout") -> float:
@@ -196,7 +236,9 @@ def _stored_scale(task: str, base: str, section: str = "adroit_keepout") -> floa
 KEYS = ("success_rate", "violation_rate", "nonfinite_rate", "state_violation_rate", "state_violation_max",
         "violation_mean", "violation_max",
         "clean_success_rate", "chunk_violation_frac", "scale", "mean_steps", "ms_per_chunk", "ms_per_chunk_batched",
-        "nfe_per_chunk", "backward_per_chunk", "episodes", "options", "retried_per_chunk", "filtered_per_chunk")
+        "nfe_per_chunk", "backward_per_chunk", "episodes", "options", "retried_per_chunk", "filtered_per_chunk",
+        "monitor_replans_per_chunk", "monitor_filtered_per_chunk")
+RECHECK_KEYS = ("success_rate", "violation_rate", "clean_success_rate", "mean_steps")
 
 
 def table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], episodes: int) -> str:
@@ -228,9 +270,19 @@ def table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], 
     return "\n".join(out)
 
 
+def _recheck_cell(r: dict) -> str:
+    if "recheck_success_rate" not in r:
+        return ""
+    return " / ".join(f"{r[f'recheck_{k}']:.2f}" for k in ("success_rate", "violation_rate", "clean_success_rate"))
+
+
 def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], episodes: int) -> str:
+    info = next(iter(meta.values()), {})
+    data = ("50 DAPG demos + 50 detour demos: the expert filtered around random balls clear of the evaluation "
+            "ball, train/detour_demos.py" if info.get("detour_demos") else
+            f"50 DART demos, noise {info['dart_noise']:g}" if info.get("dart_noise") else "50 DAPG demos")
     out = ["# Guidance under a palm keep-out region (Adroit)", "",
-           f"Tiny flow policies (50 DAPG demos, 3000 steps, H=16, 8 executed), {episodes} episodes per row "
+           f"Tiny flow policies ({data}; 3000 steps, H=16, 8 executed), {episodes} episodes per row "
            f"(seeds {SEED}..{SEED + episodes - 1}, same sampler noise for every method). The palm (site S_grasp) "
            "must stay out of a ball placed on the unguided policy's own approach path (train/constrained_eval.py "
            "`KEEPOUTS`). The cost (1e4 nats per m^2 inside radius + 2 cm) is on the palm path that a servo model "
@@ -238,7 +290,10 @@ def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str,
            "exact forward kinematics of the MuJoCo model. *violation*: the actual palm came more than 1 cm "
            "inside the ball at some step; *clean*: success without violation; *clip* is the minimal-change "
            "safety filter on each executed command (Newton steps until the palm, holding the command for 4 "
-           "steps, is predicted 2 cm clear): a clamp of the action cannot express this constraint. Per method "
+           "steps, is predicted 2 cm clear): a clamp of the action cannot express this constraint. *+check*: each "
+           "chunk's predicted palm path is checked before it runs (8 guided candidates replace a failing one), and "
+           "before each command the next 4 are re-checked from the measured joint state (a re-plan from there "
+           "when they no longer clear); the filter only where no candidate passes. Per method "
            "the scale with the best clean success (then fewer violations) is shown; the full sweep is below and "
            "in guidance.json (`adroit_keepout_sweep`). ms/chunk: one observation, 1 CPU thread.", ""]
     for task, rows in best.items():
@@ -246,10 +301,15 @@ def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str,
         out += [f"## adroit/{task}: ball of {c['radius'] * 100:g} cm around {c['center']} ({c['why']}); "
                 f"servo model one-step R^2 {min(c['servo_r2']):.2f}-{max(c['servo_r2']):.2f}", ""]
         out.append(md_table(["method", "scale", "success", "violation", "clean success", "deepest (cm)",
-                             "mean steps", "diverged", "ms/chunk", "backward/chunk"],
+                             "mean steps", "diverged", "ms/chunk", "backward/chunk",
+                             f"re-check (seeds {RECHECK_SEED}+): success / violation / clean"],
                             [[m, r["scale"], r["success_rate"], r["violation_rate"], r["clean_success_rate"],
                               100 * r["state_violation_max"], r["mean_steps"], r["nonfinite_rate"], r["ms_per_chunk"],
-                              r["backward_per_chunk"]] for m, r in rows.items()]))
+                              r["backward_per_chunk"], _recheck_cell(r)] for m, r in rows.items()]))
+    rec = recommend(best)
+    out += [f"Recommended (at most 1% violations on every task and both seeds, best worst-case clean success "
+            f"relative to unguided): **{rec}**." if rec else "No re-checked row keeps violations at or under 1% "
+            "on every task and both seeds.", ""]
     out += ["## Full sweep (success / violation / clean per scale)", ""]
     rows = []
     for task, methods in sweep.items():
@@ -260,10 +320,29 @@ def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str,
     return "\n".join(out)
 
 
-def merged(best: dict, sweep: dict, kind: str, episodes: int, dart_noise: float = 0.0) -> tuple[dict, dict]:
+def recommend(best: dict[str, dict]) -> str | None:
+    """The keep-out row the docs recommend: among the re-checked rows with at most 1% violations on every task and
+    both seeds, the one whose worst clean success relative to the unguided success (same task and seed) is best."""
+    def worst(name: str) -> float:
+        ratios = []
+        for rows in best.values():
+            r, base = rows.get(name), rows.get("none")
+            if r is None or base is None or "recheck_violation_rate" not in r or "recheck_success_rate" not in base:
+                return -1.0
+            if max(r["violation_rate"], r["recheck_violation_rate"]) > 0.01:
+                return -1.0
+            ratios += [r["clean_success_rate"] / max(base["success_rate"], 1e-9),
+                       r["recheck_clean_success_rate"] / max(base["recheck_success_rate"], 1e-9)]
+        return min(ratios) if ratios else -1.0
+    scored = {name: worst(name) for name in CHECKED}
+    name = max(scored, key=lambda n: scored[n])
+    return name if scored[name] >= 0 else None
+
+
+def merged(best: dict, sweep: dict, kind: str, episodes: int, source: Demos = Demos()) -> tuple[dict, dict]:
     """This run's rows over those already in guidance.json for the same tasks and episodes (a
     ``--methods`` run adds or replaces its methods' rows)."""
-    sec = _section(kind, dart_noise)
+    sec = _section(kind, source)
     path = RESULTS / "guidance.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     if old.get(f"{sec}_meta", {}).get("episodes") != episodes:
@@ -277,17 +356,20 @@ def merged(best: dict, sweep: dict, kind: str, episodes: int, dart_noise: float 
 
 
 def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: str = "joint_limits",
-         dart_noise: float = 0.0) -> None:
+         source: Demos = Demos()) -> None:
     """Merge the "adroit" (or "adroit_keepout", ..."_dart") sections into guidance.json (other sections kept),
     atomically."""
-    sec = _section(kind, dart_noise)
+    sec = _section(kind, source)
     merge_json(RESULTS / "guidance.json", {
-        sec: {t: {m: {k: r.get(k) for k in KEYS} for m, r in ms.items()} for t, ms in best.items()},
+        sec: {**{t: {m: {k: r.get(k) for k in KEYS + tuple(k for k in r if k.startswith("recheck_"))}
+                     for m, r in ms.items()} for t, ms in best.items()},
+              **({"recommended": recommend(best)} if kind == "keepout" else {})},
         f"{sec}_sweep": {t: {m: [{k: r.get(k) for k in KEYS} for r in runs] for m, runs in ms.items()}
                          for t, ms in sweep.items()},
         f"{sec}_meta": {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHTS[kind],
                         "tol": TOL if kind == "joint_limits" else KeepOut.tol,
-                        "dart_noise": dart_noise, "machine": machine(), "threads": torch.get_num_threads()}})
+                        "dart_noise": source.dart_noise, "detour_demos": source.detours, "recheck_seed": RECHECK_SEED,
+                        "machine": machine(), "threads": torch.get_num_threads()}})
     md = RESULTS / f"guidance_{sec}.md"
     tmp_md = md.with_suffix(".md.tmp")
     tmp_md.write_text(text)
@@ -304,6 +386,10 @@ def main() -> None:
     ap.add_argument("--dart-noise", type=float, default=0.0,
                     help="> 0: policies trained on DART demos (expert labels, noisy execution), written to the "
                          "'<section>_dart' sections and guidance_<section>_dart.md")
+    ap.add_argument("--detours", action="store_true",
+                    help="keep-out: policies trained on the expert's demos plus as many detour demos (the expert "
+                         "filtered around random balls clear of the evaluation ball, train/detour_demos.py), written "
+                         "to the 'adroit_keepout_detours' sections and guidance_adroit_keepout_detours.md")
     ap.add_argument("--methods", nargs="*", default=(),
                     help="only these configs (default: all); their rows are added to (or replace) those in "
                          "guidance.json when the episode count matches")
@@ -314,6 +400,9 @@ def main() -> None:
     t0 = time.time()
     best, sweep, meta = {}, {}, {}
     tasks = a.tasks or KIND_TASKS[a.kind]
+    if a.detours and (a.dart_noise or a.kind != "keepout"):
+        ap.error("--detours is for --kind keepout, without --dart-noise")
+    source = Demos(a.dart_noise, a.detours)
     bad = [t for t in tasks if t not in KIND_TASKS[a.kind]]
     if bad:
         ap.error(f"no {a.kind} constraint for {bad}; valid: {KIND_TASKS[a.kind]}")
@@ -327,14 +416,14 @@ def main() -> None:
                  f"{sorted({CLIPPED[m] for m in orphans})}")
     for task in tasks:
         best[task], sweep[task], meta[task] = run_task(task, a.episodes, kind=a.kind, methods=tuple(a.methods),
-                                                       dart_noise=a.dart_noise)
+                                                       source=source)
     if a.methods:
-        best, sweep = merged(best, sweep, a.kind, a.episodes, a.dart_noise)
+        best, sweep = merged(best, sweep, a.kind, a.episodes, source)
     tab = keepout_table if a.kind == "keepout" else table
     text = tab(best, meta, sweep, a.episodes) + f"\nTotal wall time {time.time() - t0:.0f} s.\n"
     print(text)
     if not a.no_write:
-        save(best, sweep, meta, a.episodes, text, a.kind, a.dart_noise)
+        save(best, sweep, meta, a.episodes, text, a.kind, source)
 
 
 if __name__ == "__main__":

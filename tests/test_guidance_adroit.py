@@ -113,3 +113,26 @@ def test_bad_input_is_refused_with_the_valid_values(policy):
         ce.evaluate_constrained(policy, "adroit/door", "none", episodes=1)  # a hammer policy on door
     with pytest.raises(InvalidOptionError, match="side"):
         ce.derive_limit(np.zeros((2, 1)), 0, "left")
+
+
+def test_the_recommended_keepout_row_keeps_out_everywhere_and_has_the_best_worst_case(monkeypatch):
+    """``recommend``: only re-checked rows with at most 1% violations on every task and both seeds qualify; among
+    them, the best worst-case clean success relative to the unguided success of the same task and seed."""
+    from conftest import load_benchmark
+    bench = load_benchmark("guidance_adroit", monkeypatch)
+
+    def row(clean, viol, re_clean, re_viol):
+        return {"clean_success_rate": clean, "violation_rate": viol, "recheck_clean_success_rate": re_clean,
+                "recheck_violation_rate": re_viol}
+    none = {"success_rate": 1.0, "recheck_success_rate": 0.8}
+    best = {"door": {"none": none, "coupled+check": row(0.9, 0.0, 0.6, 0.0),
+                     "coupled_prox+check": row(0.95, 0.02, 0.8, 0.0), "pnp_renoise+check": row(0.8, 0.0, 0.76, 0.0)},
+            "relocate": {"none": none, "coupled+check": row(0.9, 0.0, 0.6, 0.0),
+                         "coupled_prox+check": row(0.9, 0.0, 0.8, 0.0), "pnp_renoise+check": row(0.8, 0.0, 0.76, 0.0)}}
+    # prox violates on door's first seed; coupled's worst ratio is 0.6/0.8, PnP's 0.8/1.0
+    assert bench.recommend(best) == "pnp_renoise+check"
+    del best["relocate"]["pnp_renoise+check"]  # a row missing on one task cannot be recommended
+    assert bench.recommend(best) == "coupled+check"
+    for rows in best.values():
+        rows["coupled+check"]["recheck_violation_rate"] = 0.04
+    assert bench.recommend(best) is None

@@ -603,8 +603,8 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
         for episode in np.flatnonzero(active):
             if checked and not filtered[episode]:
                 t_mon = time.perf_counter()
-                queues[episode], replanned, filtered[episode] = _monitor(policy, constraint, pool[episode],
-                                                                         obs[episode], guide, queues[episode], retry_gen)
+                queues[episode], replanned, filtered[episode] = _monitor(
+                    policy, constraint, pool[episode], obs[episode], guide, queues[episode], retry_gen)
                 monitor_replans += replanned
                 monitor_filtered += filtered[episode]
                 t_batched += time.perf_counter() - t_mon  # the robot waits for it: counted in the chunk time
@@ -632,7 +632,8 @@ def _rollouts(policy: Any, constraint: AdroitConstraint | KeepOut, pool: list, g
     return {"success": success, "steps": steps, "nonfinite": nonfinite, "a_max": a_max, "a_sum": a_sum, "q_max": q_max,
             "chunk_viol": chunk_viol, "chunk_entries": chunk_entries, "nfe": nfe, "n_backward": n_backward,
             "calls": calls, "n_chunks": n_chunks, "t_batched": t_batched, "latency": latency, "width": width,
-            "retried": retried, "fell_back": fell_back, "monitor_replans": monitor_replans, "monitor_filtered": monitor_filtered}
+            "retried": retried, "fell_back": fell_back, "monitor_replans": monitor_replans,
+            "monitor_filtered": monitor_filtered}
 
 
 def _step_clear(constraint: KeepOut, action_queue: list, env: Any) -> bool:

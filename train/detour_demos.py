@@ -65,7 +65,8 @@ class DetourBalls:
             t = int(self.rng.integers(min(WINDOW[0], len(path) - 1), len(path)))
             radius = float(self.rng.uniform(*RADIUS))
             center = path[t] + self.rng.normal(0.0, JITTER, 3)
-            if self.avoid is None or np.linalg.norm(center - np.asarray(self.avoid.center)) >= radius + self.avoid.radius:
+            avoid = self.avoid
+            if avoid is None or np.linalg.norm(center - np.asarray(avoid.center)) >= radius + avoid.radius:
                 return self.template.moved(center, radius)
         return None
 
