@@ -168,15 +168,22 @@ def test_keepout_evaluation_is_seeded_and_bad_input_is_named(door_policy):
         ce.evaluate_constrained(door_policy, "adroit/door", "none", kind="forcefield")
 
 
-def test_the_hard_check_passes_only_plans_clear_of_the_ball(door_policy):
-    """``KeepOut.passes`` accepts a chunk exactly when its predicted palm path stays out of the ball; the unguided
-    plans that cross the ball fail it. ``+check`` runs and reports its retries; it needs the keep-out model."""
+def _unguided_plans_on_the_way_up(policy) -> tuple:
+    """The door keep-out bound to the expert's env, observations and envs on the way up (2 episodes) and the
+    policy's unguided chunks there (noise seed 0)."""
     ko = ce.KEEPOUTS["door"]
     env, obs_list, pool = _on_the_way_up(range(2))
     ko.bind(env)
-    noise = torch.randn(len(obs_list), door_policy.config.horizon, door_policy.config.action_dim,
+    noise = torch.randn(len(obs_list), policy.config.horizon, policy.config.action_dim,
                         generator=torch.Generator().manual_seed(0))
-    chunks, _, _ = ce.sample_chunks(door_policy, obs_list, None, noise)
+    chunks, _, _ = ce.sample_chunks(policy, obs_list, None, noise)
+    return ko, env, obs_list, pool, chunks
+
+
+def test_the_hard_check_passes_only_plans_clear_of_the_ball(door_policy):
+    """``KeepOut.passes`` accepts a chunk exactly when its predicted palm path stays out of the ball; the unguided
+    plans that cross the ball fail it. ``+check`` runs and reports its retries; it needs the keep-out model."""
+    ko, env, obs_list, pool, chunks = _unguided_plans_on_the_way_up(door_policy)
     qpos, qvel = ko.joint_state(pool)
     p = ko.predict_palm(torch.as_tensor(np.clip(chunks, -1, 1)), qpos, qvel)
     clear = (torch.linalg.norm(p - ko.center_t, dim=-1).amin(1) >= ko.radius + ko.check_clearance).numpy()
@@ -196,12 +203,7 @@ def test_the_monitor_replans_a_queue_that_no_longer_clears(door_policy):
     """Before each command of a checked rollout the next commands are re-checked from the measured state: a
     queue whose path crosses the ball is replaced by guided commands that clear it (or handed to the filter),
     and a queue that clears is left alone."""
-    ko = ce.KEEPOUTS["door"]
-    env, obs_list, pool = _on_the_way_up(range(2))
-    ko.bind(env)
-    noise = torch.randn(len(obs_list), door_policy.config.horizon, door_policy.config.action_dim,
-                        generator=torch.Generator().manual_seed(0))
-    chunks, _, _ = ce.sample_chunks(door_policy, obs_list, None, noise)
+    ko, env, obs_list, pool, chunks = _unguided_plans_on_the_way_up(door_policy)
     crossing = np.flatnonzero(~ko.passes(chunks[:, :ko.lookahead], pool))
     assert crossing.size, "some unguided plans should cross the ball on the way up"
     guide = ce.make_guide(door_policy, ko, "coupled", 10.0, weight=1e4)
