@@ -15,7 +15,8 @@ last line; at the base method's chosen scale (this run's, else the one in guidan
 row. ``--dart-noise X`` trains the policies on DART demos instead and writes the ``_dart`` sections
 (adroit_keepout_dart, ...) and guidance_adroit_keepout_dart.md (guidance_adroit_dart.md for joint limits);
 ``--detours`` trains them on the expert's demos plus as many detour demos (train/detour_demos.py) and writes
-adroit_keepout_detours and guidance_adroit_keepout_detours.md.
+adroit_keepout_detours and guidance_adroit_keepout_detours.md; ``--train-seed 1`` retrains either (sections
+adroit_keepout_train1, adroit_keepout_detours_train1), the checked rows at the seed-0 policies' scales.
 Per method the reported scale is the one with the lowest violation rate, ties broken by
 success. Writes the "adroit", "adroit_sweep" and "adroit_meta" sections of
 benchmarks/results/guidance.json (other sections kept) and benchmarks/results/guidance_adroit.md;
@@ -112,15 +113,22 @@ RECHECKED = ("none", *CHECKED)
 @dataclass(frozen=True)
 class Demos:
     """What the policies are cloned from: the expert's demos, DART demos (``dart_noise`` > 0) or, added to the
-    expert's, as many detour demos (``detours``: train/detour_demos.py)."""
+    expert's, as many detour demos (``detours``: train/detour_demos.py); ``train_seed`` > 0 retrains them with
+    that seed (checked rows then run at the scales the seed-0 policies chose)."""
 
     dart_noise: float = 0.0
     detours: bool = False
+    train_seed: int = 0
 
     @property
     def suffix(self) -> str:
-        """Of the policy's run directory and of the results sections: "", "_dart0.1", "_detours"."""
-        return f"_dart{self.dart_noise:g}" if self.dart_noise else "_detours" if self.detours else ""
+        """Of the policy's run directory and of the results sections: "", "_dart0.1", "_detours", "_train1"."""
+        data = f"_dart{self.dart_noise:g}" if self.dart_noise else "_detours" if self.detours else ""
+        return data + (f"_train{self.train_seed}" if self.train_seed else "")
+
+    @property
+    def first_training(self) -> "Demos":
+        return Demos(self.dart_noise, self.detours)
 
 
 def policy_for(task: str, log=print, source: Demos = Demos()) -> tuple[Any, dict]:
@@ -135,8 +143,9 @@ def policy_for(task: str, log=print, source: Demos = Demos()) -> tuple[Any, dict
         return policies.load(out / "ckpt"), json.loads(info_path.read_text())
     t = time.time()
     s = train(TrainArgs(data=files, policy="flow", steps=steps, batch_size=64, horizon=16, n_exec=8, out=out,
-                        wandb="disabled", progress=False, seed=0))
+                        wandb="disabled", progress=False, seed=source.train_seed))
     info = {"demos": n_demos, "dart_noise": source.dart_noise, "detour_demos": n_demos if source.detours else 0,
+            "train_seed": source.train_seed,
             "train_steps": steps, "train_seconds": time.time() - t, "train_samples_per_s": s.get("samples_per_s"),
             "data": " + ".join(str(f.relative_to(ROOT)) for f in files)}
     info_path.write_text(json.dumps(info))
@@ -189,7 +198,7 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
             continue
         method, options, _ = configs[base]
         r = one(name, f"{method}+check", options,
-                best[base]["scale"] if base in best else _stored_scale(task, base, _section(kind, source)))
+                best[base]["scale"] if base in best else _stored_scale(task, base, _section(kind, source.first_training)))
         sweep[name] = [r]
         best[name] = r
     for name in RECHECKED if kind == "keepout" else ():
@@ -213,15 +222,18 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
 
 SECTIONS = {("joint_limits", ""): "adroit", ("joint_limits", "_dart"): "adroit_dart",
             ("keepout", ""): "adroit_keepout", ("keepout", "_dart"): "adroit_keepout_dart",
-            ("keepout", "_detours"): "adroit_keepout_detours"}
+            ("keepout", "_detours"): "adroit_keepout_detours", ("keepout", "_train1"): "adroit_keepout_train1",
+            ("keepout", "_detours_train1"): "adroit_keepout_detours_train1"}
 """(kind, demos) -> the guidance.json section and results file stem (guidance_<section>.md) of a run"""
 
 
 def _section(kind: str, source: Demos = Demos()) -> str:
     """The guidance.json section (and results file stem) of a run: adroit, adroit_keepout, ..._dart, ..._detours."""
-    key = (kind, source.suffix if not source.dart_noise else "_dart")
+    dart = "_dart" + (f"_train{source.train_seed}" if source.train_seed else "")  # DART sections: one noise level
+    key = (kind, dart if source.dart_noise else source.suffix)
     if key not in SECTIONS:
-        raise SystemExit(f"no {kind} runs on {source}: detour demos are for the keep-out (--kind keepout)")
+        raise SystemExit(f"no {kind} section for {source}: detour demos and retraining are for the keep-out "
+                         f"(--kind keepout; --train-seed 1)")
     return SECTIONS[key]
 
 
@@ -281,6 +293,8 @@ def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str,
     data = ("50 DAPG demos + 50 detour demos: the expert filtered around random balls clear of the evaluation "
             "ball, train/detour_demos.py" if info.get("detour_demos") else
             f"50 DART demos, noise {info['dart_noise']:g}" if info.get("dart_noise") else "50 DAPG demos")
+    if info.get("train_seed"):
+        data += f"; trained with seed {info['train_seed']}, checked rows at the seed-0 policies' scales"
     out = ["# Guidance under a palm keep-out region (Adroit)", "",
            f"Tiny flow policies ({data}; 3000 steps, H=16, 8 executed), {episodes} episodes per row "
            f"(seeds {SEED}..{SEED + episodes - 1}, same sampler noise for every method). The palm (site S_grasp) "
@@ -368,7 +382,8 @@ def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: st
                          for t, ms in sweep.items()},
         f"{sec}_meta": {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHTS[kind],
                         "tol": TOL if kind == "joint_limits" else KeepOut.tol,
-                        "dart_noise": source.dart_noise, "detour_demos": source.detours, "recheck_seed": RECHECK_SEED,
+                        "dart_noise": source.dart_noise, "detour_demos": source.detours, "train_seed": source.train_seed,
+                        "recheck_seed": RECHECK_SEED,
                         "machine": machine(), "threads": torch.get_num_threads()}})
     md = RESULTS / f"guidance_{sec}.md"
     tmp_md = md.with_suffix(".md.tmp")
@@ -390,6 +405,10 @@ def main() -> None:
                     help="keep-out: policies trained on the expert's demos plus as many detour demos (the expert "
                          "filtered around random balls clear of the evaluation ball, train/detour_demos.py), written "
                          "to the 'adroit_keepout_detours' sections and guidance_adroit_keepout_detours.md")
+    ap.add_argument("--train-seed", type=int, default=0,
+                    help="keep-out: retrain the policies with this seed (1: the '<section>_train1' sections and "
+                         "guidance_adroit_keepout_train1.md / guidance_adroit_keepout_detours_train1.md); checked rows "
+                         "run at the scales the seed-0 policies chose")
     ap.add_argument("--methods", nargs="*", default=(),
                     help="only these configs (default: all); their rows are added to (or replace) those in "
                          "guidance.json when the episode count matches")
@@ -402,7 +421,8 @@ def main() -> None:
     tasks = a.tasks or KIND_TASKS[a.kind]
     if a.detours and (a.dart_noise or a.kind != "keepout"):
         ap.error("--detours is for --kind keepout, without --dart-noise")
-    source = Demos(a.dart_noise, a.detours)
+    source = Demos(a.dart_noise, a.detours, a.train_seed)
+    _section(a.kind, source)  # an unknown combination stops here, before any training
     bad = [t for t in tasks if t not in KIND_TASKS[a.kind]]
     if bad:
         ap.error(f"no {a.kind} constraint for {bad}; valid: {KIND_TASKS[a.kind]}")
