@@ -120,24 +120,25 @@ class Demos:
     detours: bool = False
     train_seed: int = 0
 
-    @property
-    def suffix(self) -> str:
-        """Of the policy's run directory and of the results sections: "", "_dart0.1", "_detours", "_train1"."""
-        data = f"_dart{self.dart_noise:g}" if self.dart_noise else "_detours" if self.detours else ""
+    def suffix(self, noise: bool = True) -> str:
+        """Of the policy's run directory ("", "_dart0.1", "_detours", "_detours_train1") or, ``noise=False``, of
+        the results section (the DART sections hold one noise level: "_dart")."""
+        dart = f"_dart{self.dart_noise:g}" if noise else "_dart"
+        data = dart if self.dart_noise else "_detours" if self.detours else ""
         return data + (f"_train{self.train_seed}" if self.train_seed else "")
 
     @property
     def first_training(self) -> "Demos":
+        """The same demos, trained with seed 0: where a retrained policy's checked rows take their scales."""
         return Demos(self.dart_noise, self.detours)
 
 
 def policy_for(task: str, log=print, source: Demos = Demos()) -> tuple[Any, dict]:
-    """Train (or reuse) the tiny flow policy of ``task`` (``dart_noise`` > 0: on DART demos, the expert's labels
-    under noisy execution, so the policy has seen states off the expert's path)."""
+    """Train (or reuse) the tiny flow policy of ``task`` on the demos ``source`` names, with its training seed."""
     n_demos, steps = TASKS[task]
     data = demos(f"adroit/{task}", n_demos, **({"dart_noise": source.dart_noise} if source.dart_noise else {}))
     files = (data, demos(f"adroit/{task}", n_demos, detours=True)) if source.detours else (data,)
-    out = RUNS / f"{task}{source.suffix}"
+    out = RUNS / f"{task}{source.suffix()}"
     info_path = out / "bench_train.json"
     if (out / "ckpt").exists() and info_path.exists():
         return policies.load(out / "ckpt"), json.loads(info_path.read_text())
@@ -229,8 +230,7 @@ SECTIONS = {("joint_limits", ""): "adroit", ("joint_limits", "_dart"): "adroit_d
 
 def _section(kind: str, source: Demos = Demos()) -> str:
     """The guidance.json section (and results file stem) of a run: adroit, adroit_keepout, ..._dart, ..._detours."""
-    dart = "_dart" + (f"_train{source.train_seed}" if source.train_seed else "")  # DART sections: one noise level
-    key = (kind, dart if source.dart_noise else source.suffix)
+    key = (kind, source.suffix(noise=False))
     if key not in SECTIONS:
         raise SystemExit(f"no {kind} section for {source}: detour demos and retraining are for the keep-out "
                          f"(--kind keepout; --train-seed 1)")
