@@ -16,7 +16,8 @@ row. ``--dart-noise X`` trains the policies on DART demos instead and writes the
 (adroit_keepout_dart, ...) and guidance_adroit_keepout_dart.md (guidance_adroit_dart.md for joint limits);
 ``--detours`` trains them on the expert's demos plus as many detour demos (train/detour_demos.py) and writes
 adroit_keepout_detours and guidance_adroit_keepout_detours.md; ``--train-seed 1`` retrains either (sections
-adroit_keepout_train1, adroit_keepout_detours_train1), the checked rows at the seed-0 policies' scales.
+adroit_keepout_train1, adroit_keepout_detours_train1), the checked rows at the seed-0 policies' scales;
+``--large`` trains on 200 expert demos for 10000 steps instead (adroit_keepout_large, ..._large_train1).
 Per method the reported scale is the one with the lowest violation rate, ties broken by
 success. Writes the "adroit", "adroit_sweep" and "adroit_meta" sections of
 benchmarks/results/guidance.json (other sections kept) and benchmarks/results/guidance_adroit.md;
@@ -61,6 +62,9 @@ from train.constrained_eval import CONSTRAINTS, KEEPOUTS, TOL, KeepOut, evaluate
 TASKS = {  # task -> (demos, train steps); door's budget reached 0.98 success in policies.md
     "door": (50, 3000), "hammer": (50, 3000), "pen": (50, 3000), "relocate": (50, 3000),
 }
+LARGE = (200, 10000)
+"""--large (keep-out): demos and train steps of the larger budget, for a policy that recovers from the approach a
+constraint changes (door's grasp from below the ball)"""
 RUNS = ROOT / "runs" / "bench_guidance_adroit"
 # name -> (method of train.constrained_eval, guidance options, scales). Scales are per method
 # because the methods' usable ranges differ by decades (probe on door/hammer: state_gradient and
@@ -113,29 +117,35 @@ RECHECKED = ("none", *CHECKED)
 @dataclass(frozen=True)
 class Demos:
     """What the policies are cloned from: the expert's demos, DART demos (``dart_noise`` > 0) or, added to the
-    expert's, as many detour demos (``detours``: train/detour_demos.py); ``train_seed`` > 0 retrains them with
-    that seed (checked rows then run at the scales the seed-0 policies chose)."""
+    expert's, as many detour demos (``detours``: train/detour_demos.py); ``large``: the expert's demos at the
+    ``LARGE`` budget; ``train_seed`` > 0 retrains them with that seed (checked rows then run at the scales the
+    seed-0 policies chose)."""
 
     dart_noise: float = 0.0
     detours: bool = False
     train_seed: int = 0
+    large: bool = False
 
     def suffix(self, noise: bool = True) -> str:
-        """Of the policy's run directory ("", "_dart0.1", "_detours", "_detours_train1") or, ``noise=False``, of
+        """Of the policy's run directory ("", "_dart0.1", "_detours", "_large_train1") or, ``noise=False``, of
         the results section (the DART sections hold one noise level: "_dart")."""
         dart = f"_dart{self.dart_noise:g}" if noise else "_dart"
         data = dart if self.dart_noise else "_detours" if self.detours else ""
-        return data + (f"_train{self.train_seed}" if self.train_seed else "")
+        return data + ("_large" if self.large else "") + (f"_train{self.train_seed}" if self.train_seed else "")
+
+    def budget(self, task: str) -> tuple[int, int]:
+        """(demos, train steps) of ``task``'s policy."""
+        return LARGE if self.large else TASKS[task]
 
     @property
     def first_training(self) -> "Demos":
         """The same demos, trained with seed 0: where a retrained policy's checked rows take their scales."""
-        return Demos(self.dart_noise, self.detours)
+        return Demos(self.dart_noise, self.detours, large=self.large)
 
 
 def policy_for(task: str, log=print, source: Demos = Demos()) -> tuple[Any, dict]:
     """Train (or reuse) the tiny flow policy of ``task`` on the demos ``source`` names, with its training seed."""
-    n_demos, steps = TASKS[task]
+    n_demos, steps = source.budget(task)
     data = demos(f"adroit/{task}", n_demos, **({"dart_noise": source.dart_noise} if source.dart_noise else {}))
     files = (data, demos(f"adroit/{task}", n_demos, detours=True)) if source.detours else (data,)
     out = RUNS / f"{task}{source.suffix()}"
@@ -224,7 +234,8 @@ def run_task(task: str, episodes: int, log=print, kind: str = "joint_limits",
 SECTIONS = {("joint_limits", ""): "adroit", ("joint_limits", "_dart"): "adroit_dart",
             ("keepout", ""): "adroit_keepout", ("keepout", "_dart"): "adroit_keepout_dart",
             ("keepout", "_detours"): "adroit_keepout_detours", ("keepout", "_train1"): "adroit_keepout_train1",
-            ("keepout", "_detours_train1"): "adroit_keepout_detours_train1"}
+            ("keepout", "_detours_train1"): "adroit_keepout_detours_train1",
+            ("keepout", "_large"): "adroit_keepout_large", ("keepout", "_large_train1"): "adroit_keepout_large_train1"}
 """(kind, demos) -> the guidance.json section and results file stem (guidance_<section>.md) of a run"""
 
 
@@ -290,13 +301,15 @@ def _recheck_cell(r: dict) -> str:
 
 def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], episodes: int) -> str:
     info = next(iter(meta.values()), {})
-    data = ("50 DAPG demos + 50 detour demos: the expert filtered around random balls clear of the evaluation "
+    n = info.get("demos", TASKS["door"][0])
+    data = (f"{n} DAPG demos + {n} detour demos: the expert filtered around random balls clear of the evaluation "
             "ball, train/detour_demos.py" if info.get("detour_demos") else
-            f"50 DART demos, noise {info['dart_noise']:g}" if info.get("dart_noise") else "50 DAPG demos")
+            f"{n} DART demos, noise {info['dart_noise']:g}" if info.get("dart_noise") else f"{n} DAPG demos")
     if info.get("train_seed"):
         data += f"; trained with seed {info['train_seed']}, checked rows at the seed-0 policies' scales"
     out = ["# Guidance under a palm keep-out region (Adroit)", "",
-           f"Tiny flow policies ({data}; 3000 steps, H=16, 8 executed), {episodes} episodes per row "
+           f"Tiny flow policies ({data}; {info.get('train_steps', TASKS['door'][1])} steps, H=16, 8 executed), "
+           f"{episodes} episodes per row "
            f"(seeds {SEED}..{SEED + episodes - 1}, same sampler noise for every method). The palm (site S_grasp) "
            "must stay out of a ball placed on the unguided policy's own approach path (train/constrained_eval.py "
            "`KEEPOUTS`). The cost (1e4 nats per m^2 inside radius + 2 cm) is on the palm path that a servo model "
@@ -353,20 +366,23 @@ def recommend(best: dict[str, dict]) -> str | None:
     return name if scored[name] >= 0 else None
 
 
-def merged(best: dict, sweep: dict, kind: str, episodes: int, source: Demos = Demos()) -> tuple[dict, dict]:
-    """This run's rows over those already in guidance.json for the same tasks and episodes (a
-    ``--methods`` run adds or replaces its methods' rows)."""
+def merged(best: dict, sweep: dict, meta: dict, kind: str, episodes: int,
+           source: Demos = Demos()) -> tuple[dict, dict, dict]:
+    """This run's rows over those already in guidance.json with the same episodes (a ``--methods`` run adds or
+    replaces its methods' rows, a ``--tasks`` run its tasks' rows; the other tasks' rows are kept)."""
     sec = _section(kind, source)
     path = RESULTS / "guidance.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     if old.get(f"{sec}_meta", {}).get("episodes") != episodes:
-        return best, sweep
+        return best, sweep, meta
     def renamed(rows: dict) -> dict:  # rows stored before qpos_violation_rate became state_violation_rate
         return {m: r if "state_violation_rate" in r or "qpos_violation_rate" not in r
                 else {**r, "state_violation_rate": r["qpos_violation_rate"]} for m, r in rows.items()}
-    out_b = {t: {**renamed(old.get(sec, {}).get(t, {})), **ms} for t, ms in best.items()}
-    out_s = {t: {**old.get(f"{sec}_sweep", {}).get(t, {}), **ms} for t, ms in sweep.items()}
-    return out_b, out_s
+    old_meta = old[f"{sec}_meta"].get("tasks", {})
+    tasks = [t for t in KIND_TASKS[kind] if t in best or t in old_meta]
+    out_b = {t: {**renamed(old.get(sec, {}).get(t, {})), **best.get(t, {})} for t in tasks}
+    out_s = {t: {**old.get(f"{sec}_sweep", {}).get(t, {}), **sweep.get(t, {})} for t in tasks}
+    return out_b, out_s, {t: meta.get(t, old_meta.get(t)) for t in tasks}
 
 
 def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: str = "joint_limits",
@@ -383,6 +399,7 @@ def save(best: dict, sweep: dict, meta: dict, episodes: int, text: str, kind: st
         f"{sec}_meta": {"tasks": meta, "episodes": episodes, "seed": SEED, "weight": WEIGHTS[kind],
                         "tol": TOL if kind == "joint_limits" else KeepOut.tol,
                         "dart_noise": source.dart_noise, "detour_demos": source.detours, "train_seed": source.train_seed,
+                        "large": source.large,
                         "recheck_seed": RECHECK_SEED,
                         "machine": machine(), "threads": torch.get_num_threads()}})
     md = RESULTS / f"guidance_{sec}.md"
@@ -395,7 +412,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", default="joint_limits", choices=list(KIND_TASKS))
     ap.add_argument("--tasks", nargs="*", default=None, choices=list(TASKS),
-                    help="default: every task of --kind (keepout: door, relocate)")
+                    help="default: every task of --kind (keepout: door, relocate); the other tasks' stored rows are "
+                         "kept")
     ap.add_argument("--episodes", type=int, default=20)
     ap.add_argument("--no-write", action="store_true", help="print only; keep the result files")
     ap.add_argument("--dart-noise", type=float, default=0.0,
@@ -409,6 +427,10 @@ def main() -> None:
                     help="keep-out: retrain the policies with this seed (1: the '<section>_train1' sections and "
                          "guidance_adroit_keepout_train1.md / guidance_adroit_keepout_detours_train1.md); checked rows "
                          "run at the scales the seed-0 policies chose")
+    ap.add_argument("--large", action="store_true",
+                    help=f"keep-out: policies trained on {LARGE[0]} expert demos for {LARGE[1]} steps, written to the "
+                         "'adroit_keepout_large' sections and guidance_adroit_keepout_large.md (with --train-seed 1: "
+                         "guidance_adroit_keepout_large_train1.md)")
     ap.add_argument("--methods", nargs="*", default=(),
                     help="only these configs (default: all); their rows are added to (or replace) those in "
                          "guidance.json when the episode count matches")
@@ -421,7 +443,9 @@ def main() -> None:
     tasks = a.tasks or KIND_TASKS[a.kind]
     if a.detours and (a.dart_noise or a.kind != "keepout"):
         ap.error("--detours is for --kind keepout, without --dart-noise")
-    source = Demos(a.dart_noise, a.detours, a.train_seed)
+    if a.large and (a.dart_noise or a.detours or a.kind != "keepout"):
+        ap.error("--large is for --kind keepout, without --dart-noise or --detours")
+    source = Demos(a.dart_noise, a.detours, a.train_seed, a.large)
     _section(a.kind, source)  # an unknown combination stops here, before any training
     bad = [t for t in tasks if t not in KIND_TASKS[a.kind]]
     if bad:
@@ -437,8 +461,8 @@ def main() -> None:
     for task in tasks:
         best[task], sweep[task], meta[task] = run_task(task, a.episodes, kind=a.kind, methods=tuple(a.methods),
                                                        source=source)
-    if a.methods:
-        best, sweep = merged(best, sweep, a.kind, a.episodes, source)
+    if a.methods or a.tasks:
+        best, sweep, meta = merged(best, sweep, meta, a.kind, a.episodes, source)
     tab = keepout_table if a.kind == "keepout" else table
     text = tab(best, meta, sweep, a.episodes) + f"\nTotal wall time {time.time() - t0:.0f} s.\n"
     print(text)

@@ -136,3 +136,42 @@ def test_the_recommended_keepout_row_keeps_out_everywhere_and_has_the_best_worst
     for rows in best.values():
         rows["coupled+check"]["recheck_violation_rate"] = 0.04
     assert bench.recommend(best) is None
+
+
+def test_each_training_source_has_its_own_section_and_budget(monkeypatch):
+    """A policy trained otherwise (``--large``, a second training seed) never overwrites the rows of another one,
+    and ``--large`` really trains on the larger budget; combinations without a section are refused."""
+    from conftest import load_benchmark
+    bench = load_benchmark("guidance_adroit", monkeypatch)
+    sources = {bench.Demos(): "adroit_keepout", bench.Demos(detours=True): "adroit_keepout_detours",
+               bench.Demos(large=True): "adroit_keepout_large",
+               bench.Demos(train_seed=1, large=True): "adroit_keepout_large_train1"}
+    for source, section in sources.items():
+        assert bench._section("keepout", source) == section
+    assert len({s.suffix() for s in sources}) == len(sources)  # their policies' run directories differ too
+    assert bench.Demos(large=True).budget("door") == bench.LARGE != bench.Demos().budget("door")
+    assert bench.Demos(train_seed=1, large=True).first_training == bench.Demos(large=True)
+    with pytest.raises(SystemExit, match="no keepout section"):
+        bench._section("keepout", bench.Demos(detours=True, large=True))
+
+
+def test_a_run_on_some_tasks_or_methods_keeps_the_other_stored_rows(monkeypatch, tmp_path):
+    """``--tasks relocate`` (or ``--methods ...``) adds or replaces its own rows; door's rows, relocate's other
+    methods and their meta stay, but rows measured on another episode count are not mixed in."""
+    import json
+    from conftest import load_benchmark
+    bench = load_benchmark("guidance_adroit", monkeypatch)
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    stored = {"adroit_keepout_large": {"door": {"none": {"success_rate": 1.0}},
+                                       "relocate": {"none": {"success_rate": 0.9}, "coupled+check": {"success_rate": 0.5}}},
+              "adroit_keepout_large_sweep": {"door": {"coupled": [{"scale": 1.0}]}, "relocate": {}},
+              "adroit_keepout_large_meta": {"episodes": 50, "tasks": {"door": {"demos": 200}, "relocate": {"demos": 1}}}}
+    (tmp_path / "guidance.json").write_text(json.dumps(stored))
+    new = {"relocate": {"coupled+check": {"success_rate": 0.8}}}
+    best, sweep, meta = bench.merged(new, {"relocate": {}}, {"relocate": {"demos": 200}}, "keepout", 50,
+                                     bench.Demos(large=True))
+    assert best == {"door": {"none": {"success_rate": 1.0}},
+                    "relocate": {"none": {"success_rate": 0.9}, "coupled+check": {"success_rate": 0.8}}}
+    assert sweep["door"] == {"coupled": [{"scale": 1.0}]}
+    assert meta == {"door": {"demos": 200}, "relocate": {"demos": 200}}
+    assert bench.merged(new, {}, {}, "keepout", 20, bench.Demos(large=True))[0] == new
