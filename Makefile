@@ -17,8 +17,11 @@ setup:
 demo: setup
 	$(PY) -m groundflow.demo $(ARGS)
 
+# Two pytest workers, one test file each at a time (a file's module fixtures are built once): on the 2-core CI
+# machine most tests run one torch thread or wait on a simulator, so a second worker fills the idle core.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(ARGS)

