@@ -17,7 +17,8 @@ row. ``--dart-noise X`` trains the policies on DART demos instead and writes the
 ``--detours`` trains them on the expert's demos plus as many detour demos (train/detour_demos.py) and writes
 adroit_keepout_detours and guidance_adroit_keepout_detours.md; ``--train-seed 1`` retrains either (sections
 adroit_keepout_train1, adroit_keepout_detours_train1), the checked rows at the seed-0 policies' scales;
-``--large`` trains on 200 expert demos for 10000 steps instead (adroit_keepout_large, ..._large_train1).
+``--large`` trains on 200 expert demos for 10000 steps instead (adroit_keepout_large, ..._large_train1,
+..._large_train2: door's margin is thin, so it has a third training).
 Per method the reported scale is the one with the lowest violation rate, ties broken by
 success. Writes the "adroit", "adroit_sweep" and "adroit_meta" sections of
 benchmarks/results/guidance.json (other sections kept) and benchmarks/results/guidance_adroit.md;
@@ -235,7 +236,8 @@ SECTIONS = {("joint_limits", ""): "adroit", ("joint_limits", "_dart"): "adroit_d
             ("keepout", ""): "adroit_keepout", ("keepout", "_dart"): "adroit_keepout_dart",
             ("keepout", "_detours"): "adroit_keepout_detours", ("keepout", "_train1"): "adroit_keepout_train1",
             ("keepout", "_detours_train1"): "adroit_keepout_detours_train1",
-            ("keepout", "_large"): "adroit_keepout_large", ("keepout", "_large_train1"): "adroit_keepout_large_train1"}
+            ("keepout", "_large"): "adroit_keepout_large", ("keepout", "_large_train1"): "adroit_keepout_large_train1",
+            ("keepout", "_large_train2"): "adroit_keepout_large_train2"}
 """(kind, demos) -> the guidance.json section and results file stem (guidance_<section>.md) of a run"""
 
 
@@ -244,7 +246,7 @@ def _section(kind: str, source: Demos = Demos()) -> str:
     key = (kind, source.suffix(noise=False))
     if key not in SECTIONS:
         raise SystemExit(f"no {kind} section for {source}: detour demos and retraining are for the keep-out "
-                         f"(--kind keepout; --train-seed 1)")
+                         f"(--kind keepout; --train-seed 1, or 2 with --large)")
     return SECTIONS[key]
 
 
@@ -429,8 +431,8 @@ def main() -> None:
                          "run at the scales the seed-0 policies chose")
     ap.add_argument("--large", action="store_true",
                     help=f"keep-out: policies trained on {LARGE[0]} expert demos for {LARGE[1]} steps, written to the "
-                         "'adroit_keepout_large' sections and guidance_adroit_keepout_large.md (with --train-seed 1: "
-                         "guidance_adroit_keepout_large_train1.md)")
+                         "'adroit_keepout_large' sections and guidance_adroit_keepout_large.md (with --train-seed 1 or 2: "
+                         "guidance_adroit_keepout_large_train1.md, guidance_adroit_keepout_large_train2.md)")
     ap.add_argument("--methods", nargs="*", default=(),
                     help="only these configs (default: all); their rows are added to (or replace) those in "
                          "guidance.json when the episode count matches")

@@ -145,7 +145,8 @@ def test_each_training_source_has_its_own_section_and_budget(monkeypatch):
     bench = load_benchmark("guidance_adroit", monkeypatch)
     sources = {bench.Demos(): "adroit_keepout", bench.Demos(detours=True): "adroit_keepout_detours",
                bench.Demos(large=True): "adroit_keepout_large",
-               bench.Demos(train_seed=1, large=True): "adroit_keepout_large_train1"}
+               bench.Demos(train_seed=1, large=True): "adroit_keepout_large_train1",
+               bench.Demos(train_seed=2, large=True): "adroit_keepout_large_train2"}
     for source, section in sources.items():
         assert bench._section("keepout", source) == section
     assert len({s.suffix() for s in sources}) == len(sources)  # their policies' run directories differ too
@@ -153,6 +154,8 @@ def test_each_training_source_has_its_own_section_and_budget(monkeypatch):
     assert bench.Demos(train_seed=1, large=True).first_training == bench.Demos(large=True)
     with pytest.raises(SystemExit, match="no keepout section"):
         bench._section("keepout", bench.Demos(detours=True, large=True))
+    with pytest.raises(SystemExit, match="no keepout section"):
+        bench._section("keepout", bench.Demos(train_seed=2))
 
 
 def test_a_run_on_some_tasks_or_methods_keeps_the_other_stored_rows(monkeypatch, tmp_path):
