@@ -19,7 +19,10 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def load_benchmark(name: str, monkeypatch):
     """Import ``benchmarks/<name>.py`` (a script, not a package) for a test; registered in
-    sys.modules for the test's duration because dataclasses look their module up there."""
+    sys.modules for the test's duration because dataclasses look their module up there. The
+    script puts benchmarks/ first on sys.path; that is undone after the test too, else a worker
+    spawned by a later test (multiprocessing copies sys.path) imports benchmarks/envs.py as ``envs``."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
     spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
