@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import os
 import sys
 import time
@@ -141,7 +141,7 @@ class Demos:
     @property
     def first_training(self) -> "Demos":
         """The same demos, trained with seed 0: where a retrained policy's checked rows take their scales."""
-        return Demos(self.dart_noise, self.detours, large=self.large)
+        return replace(self, train_seed=0)
 
 
 def policy_for(task: str, log=print, source: Demos = Demos()) -> tuple[Any, dict]:
@@ -302,15 +302,15 @@ def _recheck_cell(r: dict) -> str:
 
 
 def keepout_table(best: dict[str, dict], meta: dict[str, dict], sweep: dict[str, dict], episodes: int) -> str:
-    info = next(iter(meta.values()), {})
-    n = info.get("demos", TASKS["door"][0])
+    info = next(iter(meta.values()))  # every task's policy has the same training source
+    n = info["demos"]
     data = (f"{n} DAPG demos + {n} detour demos: the expert filtered around random balls clear of the evaluation "
             "ball, train/detour_demos.py" if info.get("detour_demos") else
             f"{n} DART demos, noise {info['dart_noise']:g}" if info.get("dart_noise") else f"{n} DAPG demos")
     if info.get("train_seed"):
         data += f"; trained with seed {info['train_seed']}, checked rows at the seed-0 policies' scales"
     out = ["# Guidance under a palm keep-out region (Adroit)", "",
-           f"Tiny flow policies ({data}; {info.get('train_steps', TASKS['door'][1])} steps, H=16, 8 executed), "
+           f"Tiny flow policies ({data}; {info['train_steps']} steps, H=16, 8 executed), "
            f"{episodes} episodes per row "
            f"(seeds {SEED}..{SEED + episodes - 1}, same sampler noise for every method). The palm (site S_grasp) "
            "must stay out of a ball placed on the unguided policy's own approach path (train/constrained_eval.py "
